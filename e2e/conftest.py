@@ -1,0 +1,168 @@
+"""Fixtures that give tests a real Kubernetes control plane.
+
+`control_plane`: etcd + kube-apiserver with KubeRay's CRDs and ours (crds/) installed.
+`full_cluster`: the same plus controller-manager, scheduler, kwok fake GPU nodes and the KubeRay
+operator. Both are session-scoped and share one control plane: when any selected test asks for
+`full_cluster`, the session starts the full one once instead of running two side by side.
+
+Missing binaries are built with e2e/toolchain/build.sh when Go is installed, right after
+collection (a cold build outlasts any per-test timeout). Without Go the tests skip with
+instructions, except under CI=true, where they must run: there a missing Go or a failed build
+fails the session.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python -m e2e.harness` and the tests import the same package
+    sys.path.insert(0, str(ROOT))
+
+from e2e.harness import binaries  # noqa: E402
+from e2e.harness.controlplane import ControlPlane, StartupError  # noqa: E402
+
+CRDS_DIR = ROOT / "crds"
+CLUSTER_FIXTURES = {"control_plane", "full_cluster", "_session_cluster"}
+HOW_TO_ENABLE = (
+    "install Go >= 1.24 (the binaries are then built once into {cache}, 25-45 min on 2 cores, "
+    "or run e2e/toolchain/build.sh), or set KUBEBUILDER_ASSETS to a directory holding etcd and "
+    "kube-apiserver"
+)
+
+
+@dataclass
+class Plan:
+    """What this session can run, decided once after collection."""
+
+    full: bool = False
+    skip_reason: str | None = None  # set when even the minimal control plane is unavailable
+    full_skip_reason: str | None = None
+    kuberay_crds_skip_reason: str | None = None
+    build_error: str | None = None
+
+
+PLAN = pytest.StashKey[Plan]()
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _may_build() -> bool:
+    return binaries.go_available() and os.environ.get("HYBRIDFLOW_E2E_BUILD", "1") != "0"
+
+
+def _obtain(components: tuple[str, ...], config: pytest.Config) -> str | None:
+    """Build what is missing when allowed; returns why the components are unavailable, if they are."""
+    absent = binaries.missing(components)
+    if not absent:
+        return None
+    if not _may_build() and not in_ci():
+        how = HOW_TO_ENABLE.format(cache=binaries.cache_dir() / "bin")
+        return f"control-plane binaries missing ({', '.join(absent)}): {how}"
+    capture = config.pluginmanager.getplugin("capturemanager")
+    try:
+        with capture.global_and_fixture_disabled():  # show build progress, it can take a while
+            binaries.build(absent)
+        binaries.ensure(components, allow_build=False)
+    except (binaries.MissingBinariesError, OSError) as exc:
+        raise BuildFailed(f"building the control plane failed: {exc}") from exc
+    return None
+
+
+class BuildFailed(Exception):
+    """A build that had to succeed (Go present, or CI=true) did not."""
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Decide (and build) what the selected cluster tests need before any test timeout starts."""
+    wanted = [set(getattr(item, "fixturenames", ())) for item in items]
+    plan = Plan()
+    config.stash[PLAN] = plan
+    if not any(names & CLUSTER_FIXTURES for names in wanted):
+        return
+    try:
+        if any("full_cluster" in names for names in wanted):
+            plan.full_skip_reason = _obtain(binaries.FULL, config)
+            plan.full = plan.full_skip_reason is None
+        plan.skip_reason = _obtain(binaries.MINIMAL, config)
+        if _may_build() or in_ci():
+            _obtain(("kubectl",), config)  # a client of the server's version; PATH's may be older
+        elif not (binaries.find("kubectl") or shutil.which("kubectl")):
+            plan.skip_reason = plan.skip_reason or "kubectl not found: put it on PATH or in KUBEBUILDER_ASSETS"
+        plan.kuberay_crds_skip_reason = _obtain(("kuberay-crds",), config)
+    except BuildFailed as exc:
+        plan.build_error = str(exc)
+
+
+def _plan(request: pytest.FixtureRequest) -> Plan:
+    plan = request.config.stash.get(PLAN, None) or Plan()
+    if plan.build_error:
+        pytest.fail(plan.build_error, pytrace=False)
+    if plan.skip_reason:
+        pytest.skip(plan.skip_reason)
+    return plan
+
+
+@pytest.fixture(scope="session")
+def _session_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ControlPlane]:
+    """The one control plane of this session (full only if a selected test needs it)."""
+    plan = _plan(request)
+    work_dir = tmp_path_factory.mktemp("control-plane")  # pytest keeps the last few: logs stay readable
+    crd_dirs = [CRDS_DIR] if CRDS_DIR.is_dir() else []
+    cp = ControlPlane(full=plan.full, work_dir=work_dir, crd_dirs=crd_dirs, allow_build=False)
+    try:
+        cp.start()
+    except (StartupError, binaries.MissingBinariesError) as exc:
+        pytest.fail(f"control plane did not start: {exc}", pytrace=False)
+    try:
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="session")
+def control_plane(_session_cluster: ControlPlane) -> ControlPlane:
+    """A running API server with CRDs installed; `.kubeconfig`, `.kubectl(...)`, `.env`."""
+    return _session_cluster
+
+
+@pytest.fixture(scope="session")
+def full_cluster(request: pytest.FixtureRequest, _session_cluster: ControlPlane) -> ControlPlane:
+    """Everything, plus the default fake fleet (4x A100, 2x H100, 2 CPU nodes), all Ready."""
+    if not _session_cluster.full:
+        pytest.skip(_plan(request).full_skip_reason or "the full control plane is unavailable")
+    if not _session_cluster.fleet:
+        try:
+            _session_cluster.create_gpu_fleet()
+        except Exception as exc:
+            pytest.fail(f"fake GPU fleet did not come up: {exc}", pytrace=False)
+    return _session_cluster
+
+
+@pytest.fixture
+def kuberay_crds(request: pytest.FixtureRequest, control_plane: ControlPlane) -> ControlPlane:
+    """The control plane, for tests that need KubeRay's CRDs (skips only where they are unavailable)."""
+    if not control_plane.install_kuberay_crds:
+        pytest.skip(_plan(request).kuberay_crds_skip_reason or "KubeRay's CRDs are not installed")
+    return control_plane
+
+
+@pytest.fixture
+def namespace(control_plane: ControlPlane) -> Iterator[str]:
+    """A fresh namespace per test (in a full cluster, Pods may be created in it right away)."""
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    control_plane.create_namespace(name)
+    yield name
+    control_plane.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -1,0 +1,699 @@
+"""A real Kubernetes control plane on loopback, started from plain binaries.
+
+Minimal mode runs etcd + kube-apiserver the way controller-runtime's envtest does. Full mode adds
+kube-controller-manager (garbage collection, service accounts, Jobs), kube-scheduler, kwok (fake
+nodes that turn bound pods Running) and the KubeRay operator running out of cluster. Every wait is
+bounded and names what did not come up together with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from . import binaries, certs
+
+SERVICE_CIDR = "10.0.0.0/24"
+KWOK_NODE_SELECTOR = "kwok.x-k8s.io/node=fake"
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+A100 = "NVIDIA-A100-SXM4-80GB"
+H100 = "NVIDIA-H100-80GB-HBM3"
+
+T = TypeVar("T")
+STOP_GRACE_S = 10.0
+POLL_S = 0.25
+
+
+class StartupError(RuntimeError):
+    """A component did not come up in time; the message carries its log tail."""
+
+
+class KubectlError(subprocess.CalledProcessError):
+    """A failed kubectl call whose message includes what kubectl said."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\nstderr: {(self.stderr or '').strip()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# processes
+
+
+def free_port() -> int:
+    """A port the kernel just handed out on loopback (racy in theory, fine for tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Linux only: deliver SIGTERM to the child if the test process dies without cleaning up."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    """The last lines of a log file, for error messages."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class Process:
+    """A started component: its pid, command line and log file."""
+
+    name: str
+    pid: int
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def start(
+        cls,
+        name: str,
+        argv: list[str],
+        log: Path,
+        env: Mapping[str, str] | None = None,
+        detach: bool = False,
+    ) -> Process:
+        """Start argv with output in `log`; detached processes outlive the caller (CLI `up`)."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as out:
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+                preexec_fn=None if detach else _die_with_parent,
+            )
+        return cls(name, popen.pid, argv, log, popen)
+
+    def exit_code(self) -> int | None:
+        """None while running; works for children and for processes started by another `up`."""
+        if self.popen is not None:
+            return self.popen.poll()
+        if not _pid_matches(self.pid, self.argv[0]):
+            return 0
+        return None
+
+    def running(self) -> bool:
+        return self.exit_code() is None
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """SIGTERM, wait `grace` seconds, then SIGKILL."""
+        if not self.running():
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self.running():
+            time.sleep(0.1)
+        if self.running():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            if self.popen is not None:
+                self.popen.wait(timeout=grace)
+
+    def failure(self, what: str) -> StartupError:
+        """An error naming this component, what it failed to do, and its log tail."""
+        code = self.exit_code()
+        state = f"exited with code {code}" if code is not None else "still running"
+        return StartupError(f"{self.name} {what} ({state}); log {self.log}:\n{tail(self.log)}")
+
+
+def _pid_matches(pid: int, executable: str) -> bool:
+    """True if pid is alive and runs `executable`: guards against killing a recycled pid."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        status = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+    except (OSError, IndexError):
+        return False
+    return status != "Z" and os.path.basename(cmdline) == os.path.basename(executable)
+
+
+def wait_until(check: Callable[[], bool], timeout: float, on_timeout: Callable[[], Exception]) -> None:
+    """Poll `check` until it is true or `timeout` passes (then raise on_timeout())."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        if time.monotonic() >= deadline:
+            raise on_timeout()
+        time.sleep(POLL_S)
+
+
+def eventually(check: Callable[[], T | None], timeout: float, what: str) -> T:
+    """Poll until `check` returns something truthy and return it; AssertionError names `what`."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while True:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as exc:  # the check may race with the object it looks for
+            last_error = exc
+        if time.monotonic() >= deadline:
+            detail = f" (last error: {last_error})" if last_error else ""
+            raise AssertionError(f"{what}: not true after {timeout:.0f}s{detail}")
+        time.sleep(POLL_S)
+
+
+def http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
+    """Whether GET url answers 200 within two seconds."""
+    try:
+        with urllib.request.urlopen(url, timeout=2, context=context) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def insecure_context() -> ssl.SSLContext:
+    """For health endpoints of components that serve self-signed loopback certificates."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def wait_healthy(proc: Process, url: str, timeout: float, context: ssl.SSLContext | None = None) -> None:
+    """Wait for a health URL, failing fast if the process exits."""
+
+    def check() -> bool:
+        if not proc.running():
+            raise proc.failure(f"exited before {url} answered")
+        return http_ok(url, context)
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if check():
+            return
+        if time.monotonic() >= deadline:
+            raise proc.failure(f"did not answer {url} within {timeout:.0f}s")
+        time.sleep(POLL_S)
+
+
+# ---------------------------------------------------------------------------------------------
+# kubeconfig
+
+
+def write_kubeconfig(path: Path, server: str, ca: Path, client: certs.KeyPair, user: str) -> Path:
+    """A self-contained kubeconfig (certificates embedded) for one client identity."""
+
+    def b64(p: Path) -> str:
+        return base64.b64encode(p.read_bytes()).decode()
+
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "hybridflow-e2e", "cluster": {"server": server, "certificate-authority-data": b64(ca)}}],
+        "users": [
+            {
+                "name": user,
+                "user": {"client-certificate-data": b64(client.cert), "client-key-data": b64(client.key)},
+            }
+        ],
+        "contexts": [{"name": "hybridflow-e2e", "context": {"cluster": "hybridflow-e2e", "user": user}}],
+        "current-context": "hybridflow-e2e",
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    path.chmod(0o600)
+    return path
+
+
+def kubectl_binary() -> str:
+    """kubectl matching the server when available (env, KUBEBUILDER_ASSETS, cache), else PATH's."""
+    found = binaries.find("kubectl") or shutil.which("kubectl")
+    if not found:
+        raise binaries.MissingBinariesError("kubectl not found (build it with build.sh, or put it on PATH)")
+    return str(found)
+
+
+# ---------------------------------------------------------------------------------------------
+# fake GPU fleet
+
+
+@dataclass(frozen=True)
+class NodePool:
+    """A group of identical fake nodes managed by kwok."""
+
+    prefix: str
+    count: int
+    cpu: str
+    memory: str
+    instance_type: str
+    gpu_product: str | None = None
+    gpus: int = 0
+    gpu_memory_mib: int = 0
+    pods: str = "110"
+    zone: str = "us-east-1a"
+
+
+def default_fleet(a100: int = 4, h100: int = 2, cpu: int = 2) -> list[NodePool]:
+    """4 DGX-A100-class nodes, 2 H100 nodes and 2 CPU nodes unless told otherwise."""
+    pools = [
+        NodePool("a100", a100, "96", "1152Gi", "p4de.24xlarge", A100, 8, 81920),
+        NodePool("h100", h100, "192", "2048Gi", "p5.48xlarge", H100, 8, 81559),
+        NodePool("cpu", cpu, "16", "64Gi", "m6i.4xlarge"),
+    ]
+    return [p for p in pools if p.count > 0]
+
+
+def node_manifest(pool: NodePool, index: int) -> dict[str, Any]:
+    """A Node with labels, taints and status the way GPU Feature Discovery would leave it."""
+    name = f"kwok-{pool.prefix}-{index}"
+    labels = {
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+        "node.kubernetes.io/instance-type": pool.instance_type,
+        "topology.kubernetes.io/zone": pool.zone,
+        "type": "kwok",
+        "node-role.kubernetes.io/worker": "",
+    }
+    capacity = {"cpu": pool.cpu, "memory": pool.memory, "pods": pool.pods, "ephemeral-storage": "1Ti"}
+    taints: list[dict[str, str]] = []
+    if pool.gpu_product:
+        labels |= {
+            "node-role.kubernetes.io/gpu": "",
+            "nvidia.com/gpu.present": "true",
+            "nvidia.com/gpu.product": pool.gpu_product,
+            "nvidia.com/gpu.count": str(pool.gpus),
+            "nvidia.com/gpu.memory": str(pool.gpu_memory_mib),
+        }
+        capacity["nvidia.com/gpu"] = str(pool.gpus)
+        taints.append(dict(GPU_TAINT))
+    else:
+        labels["node-role.kubernetes.io/cpu"] = ""
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": labels, "annotations": {"kwok.x-k8s.io/node": "fake"}},
+        "spec": {"taints": taints},
+        "status": {"capacity": capacity, "allocatable": dict(capacity)},  # kwok fills in the rest
+    }
+
+
+def fleet_manifests(pools: Iterable[NodePool]) -> list[dict[str, Any]]:
+    """Node manifests for every node of every pool."""
+    return [node_manifest(pool, i) for pool in pools for i in range(pool.count)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the control plane
+
+
+@dataclass
+class Ports:
+    """Loopback ports of every listening component."""
+
+    etcd_client: int = field(default_factory=free_port)
+    etcd_peer: int = field(default_factory=free_port)
+    apiserver: int = field(default_factory=free_port)
+    controller_manager: int = field(default_factory=free_port)
+    scheduler: int = field(default_factory=free_port)
+    kwok: int = field(default_factory=free_port)
+    kuberay_metrics: int = field(default_factory=free_port)
+    kuberay_probe: int = field(default_factory=free_port)
+
+
+class ControlPlane:
+    """etcd + kube-apiserver (+ controllers, scheduler, kwok, KubeRay with full=True) on loopback.
+
+    Use as a context manager, or call start()/stop(). `kubeconfig` is an admin (system:masters)
+    kubeconfig; kubectl() runs kubectl against it.
+    """
+
+    def __init__(
+        self,
+        *,
+        full: bool = False,
+        work_dir: Path | None = None,
+        crd_dirs: Sequence[Path] = (),
+        install_kuberay_crds: bool | None = None,
+        keep: bool = False,
+        detach: bool = False,
+        allow_build: bool = True,
+        timeout: float = 120.0,
+    ) -> None:
+        self.full = full
+        self.crd_dirs = [Path(d) for d in crd_dirs]
+        if install_kuberay_crds is None:  # default: when available; always for the operator, which needs them
+            install_kuberay_crds = full or binaries.kuberay_crd_dir() is not None
+        self.install_kuberay_crds = install_kuberay_crds
+        self.keep = keep or work_dir is not None
+        self.detach = detach
+        self.allow_build = allow_build
+        self.timeout = timeout
+        self._own_dir = work_dir is None
+        self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="hybridflow-cp-"))
+        self.ports = Ports()
+        self.processes: dict[str, Process] = {}
+        self.pki: certs.PKI | None = None
+        self.kubeconfig = self.work_dir / "kubeconfig"
+        self.server = f"https://127.0.0.1:{self.ports.apiserver}"
+        self.timings: dict[str, float] = {}
+        self.fleet: list[str] = []
+        self._t0 = time.monotonic()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def __enter__(self) -> ControlPlane:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> ControlPlane:
+        """Start every component and install CRDs; stops what started if anything fails."""
+        t0 = self._t0 = time.monotonic()
+        try:
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+            bins = binaries.ensure(binaries.FULL if self.full else binaries.MINIMAL, self.allow_build)
+            self.timings["binaries"] = time.monotonic() - t0
+            self.pki = certs.generate(self.work_dir / "pki")
+            self._start_etcd(bins["etcd"])
+            self._start_apiserver(bins["kube-apiserver"])
+            self.timings["apiserver_ready"] = time.monotonic() - t0
+            if self.full:
+                self._start_controllers(bins)
+            self.install_crds()
+            self.timings["crds_installed"] = time.monotonic() - t0
+            if self.full:
+                self._start_kuberay(bins["kuberay"])
+                self.timings["kuberay_ready"] = time.monotonic() - t0
+                self.wait_for_service_account("default")
+        except BaseException:
+            self.stop()
+            raise
+        self.timings["total"] = time.monotonic() - t0
+        return self
+
+    def stop(self) -> None:
+        """Terminate components in reverse start order, then remove the work dir unless kept."""
+        for proc in reversed(list(self.processes.values())):
+            proc.stop()
+        self.processes.clear()
+        if self._own_dir and not self.keep:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.processes.items()}
+
+    def state(self) -> dict[str, Any]:
+        """What the CLI records so that a later `down` can stop this control plane."""
+        return {
+            "kubeconfig": str(self.kubeconfig),
+            "server": self.server,
+            "work_dir": str(self.work_dir),
+            "full": self.full,
+            "processes": [
+                {"name": p.name, "pid": p.pid, "argv": p.argv, "log": str(p.log)} for p in self.processes.values()
+            ],
+        }
+
+    @staticmethod
+    def stop_from_state(state: Mapping[str, Any], remove_work_dir: bool = True) -> list[str]:
+        """Stop the processes a detached `up` recorded; returns the names it stopped."""
+        stopped = []
+        for entry in reversed(state.get("processes", [])):
+            proc = Process(entry["name"], int(entry["pid"]), list(entry["argv"]), Path(entry["log"]))
+            if proc.running():
+                proc.stop()
+                stopped.append(proc.name)
+        if remove_work_dir and state.get("work_dir"):
+            shutil.rmtree(state["work_dir"], ignore_errors=True)
+        return stopped
+
+    # -- components -----------------------------------------------------------------------------
+
+    def _log(self, name: str) -> Path:
+        return self.work_dir / "logs" / f"{name}.log"
+
+    def _spawn(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> Process:
+        proc = Process.start(name, argv, self._log(name), env, self.detach)
+        self.processes[name] = proc
+        return proc
+
+    def _start_etcd(self, etcd: Path) -> None:
+        client = f"http://127.0.0.1:{self.ports.etcd_client}"
+        peer = f"http://127.0.0.1:{self.ports.etcd_peer}"
+        proc = self._spawn(
+            "etcd",
+            [
+                str(etcd),
+                "--name=default",
+                f"--data-dir={self.work_dir / 'etcd'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=default={peer}",
+                "--unsafe-no-fsync=true",  # throwaway data: fsync only slows tests down
+                "--log-level=warn",
+            ],
+        )
+        wait_healthy(proc, f"{client}/health", self.timeout)
+
+    def _apiserver_args(self, apiserver: Path) -> list[str]:
+        assert self.pki is not None
+        pki = self.pki
+        args = [
+            str(apiserver),
+            f"--etcd-servers=http://127.0.0.1:{self.ports.etcd_client}",
+            f"--cert-dir={self.work_dir / 'apiserver-certs'}",
+            f"--tls-cert-file={pki.serving.cert}",
+            f"--tls-private-key-file={pki.serving.key}",
+            f"--client-ca-file={pki.client_ca.cert}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={self.ports.apiserver}",
+            "--authorization-mode=RBAC",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--allow-privileged=true",
+            f"--service-account-issuer={self.server}",
+            f"--service-account-key-file={pki.service_account.cert}",
+            f"--service-account-signing-key-file={pki.service_account.key}",
+            # The only address is loopback, which Endpoints reject: keep the `kubernetes` Service
+            # without endpoints instead of logging a failed sync every ten seconds.
+            "--endpoint-reconciler-type=none",
+            "--profiling=false",
+        ]
+        if not self.full:
+            # Without kube-controller-manager no `default` ServiceAccount ever appears, and the
+            # ServiceAccount admission plugin would reject every Pod (envtest does the same).
+            args.append("--disable-admission-plugins=ServiceAccount")
+        return args
+
+    def _admin_tls_context(self) -> ssl.SSLContext:
+        assert self.pki is not None
+        ctx = ssl.create_default_context(cafile=str(self.pki.serving_ca.cert))
+        ctx.load_cert_chain(str(self.pki.admin.cert), str(self.pki.admin.key))
+        return ctx
+
+    def _start_apiserver(self, apiserver: Path) -> None:
+        assert self.pki is not None
+        proc = self._spawn("kube-apiserver", self._apiserver_args(apiserver))
+        write_kubeconfig(self.kubeconfig, self.server, self.pki.serving_ca.cert, self.pki.admin, "admin")
+        wait_healthy(proc, f"{self.server}/readyz", self.timeout, self._admin_tls_context())
+
+    def _component_kubeconfig(self, user: str) -> Path:
+        """A kubeconfig whose client cert carries the user name the bootstrap RBAC roles expect."""
+        assert self.pki is not None
+        pair = certs.make_client_cert(self.pki.client_ca, self.pki.directory, user)
+        path = self.work_dir / f"{user.split(':')[-1]}.kubeconfig"
+        return write_kubeconfig(path, self.server, self.pki.serving_ca.cert, pair, user)
+
+    def _start_controllers(self, bins: Mapping[str, Path]) -> None:
+        """Start controller-manager, scheduler and kwok together, then wait for all three."""
+        assert self.pki is not None
+        kcm_config = self._component_kubeconfig("system:kube-controller-manager")
+        sched_config = self._component_kubeconfig("system:kube-scheduler")
+        # No --authentication/authorization-kubeconfig: delegated auth would wait for a front-proxy
+        # CA this API server does not have; health endpoints are always allowed anyway.
+        kcm = self._spawn(
+            "kube-controller-manager",
+            [
+                str(bins["kube-controller-manager"]),
+                f"--kubeconfig={kcm_config}",
+                f"--service-account-private-key-file={self.pki.service_account.key}",
+                f"--root-ca-file={self.pki.serving_ca.cert}",
+                f"--cluster-signing-cert-file={self.pki.client_ca.cert}",
+                f"--cluster-signing-key-file={self.pki.client_ca.key}",
+                "--controllers=*",
+                "--use-service-account-credentials=true",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.ports.controller_manager}",
+                f"--cert-dir={self.work_dir / 'kcm-certs'}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+            ],
+        )
+        sched = self._spawn(
+            "kube-scheduler",
+            [
+                str(bins["kube-scheduler"]),
+                f"--kubeconfig={sched_config}",
+                "--leader-elect=false",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.ports.scheduler}",
+                f"--cert-dir={self.work_dir / 'scheduler-certs'}",
+            ],
+        )
+        kwok = self._spawn(
+            "kwok",
+            [
+                str(bins["kwok"]),
+                f"--kubeconfig={self.kubeconfig}",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_NODE_SELECTOR}",
+                f"--server-address=127.0.0.1:{self.ports.kwok}",
+            ],
+            env={"KWOK_WORKDIR": str(self.work_dir / "kwok")},  # keep it away from ~/.kwok
+        )
+        insecure = insecure_context()
+        wait_healthy(kcm, f"https://127.0.0.1:{self.ports.controller_manager}/healthz", self.timeout, insecure)
+        wait_healthy(sched, f"https://127.0.0.1:{self.ports.scheduler}/healthz", self.timeout, insecure)
+        wait_healthy(kwok, f"http://127.0.0.1:{self.ports.kwok}/healthz", self.timeout)
+        self.timings["controllers_ready"] = time.monotonic() - self._t0
+
+    def _start_kuberay(self, operator: Path) -> None:
+        proc = self._spawn(
+            "kuberay-operator",
+            [
+                str(operator),
+                f"--kubeconfig={self.kubeconfig}",
+                "--enable-leader-election=false",
+                f"--metrics-addr=127.0.0.1:{self.ports.kuberay_metrics}",
+                f"--health-probe-bind-address=127.0.0.1:{self.ports.kuberay_probe}",
+                "--log-stdout-encoder=console",
+            ],
+        )
+        wait_healthy(proc, f"http://127.0.0.1:{self.ports.kuberay_probe}/readyz", self.timeout)
+
+    # -- API helpers ----------------------------------------------------------------------------
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for subprocesses that should talk to this control plane."""
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl against this control plane; raises with stderr when check fails."""
+        cmd = [kubectl_binary(), f"--kubeconfig={self.kubeconfig}", *args]
+        result = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False)
+        if check and result.returncode != 0:
+            raise KubectlError(result.returncode, cmd, result.stdout, result.stderr)
+        return result
+
+    def get_json(self, *args: str) -> Any:
+        """`kubectl get ... -o json` parsed."""
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def apply_objects(self, objects: Sequence[Mapping[str, Any]]) -> None:
+        """Server-side apply of in-memory manifests (as one List)."""
+        body = json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objects)})
+        self.kubectl("apply", "--server-side", "--field-manager=hybridflow-e2e", "-f", "-", input=body)
+
+    def crd_files(self) -> list[Path]:
+        """KubeRay's CRDs (when wanted) plus every YAML file in the given CRD directories."""
+        files: list[Path] = []
+        if self.install_kuberay_crds:
+            kuberay = binaries.kuberay_crd_dir()
+            if kuberay is None:
+                kuberay = binaries.ensure(("kuberay-crds",), self.allow_build)["kuberay-crds"]
+            files += sorted(kuberay.glob("ray.io_*.yaml"))
+        for directory in self.crd_dirs:
+            files += sorted(p for p in directory.glob("*.y*ml") if p.suffix in (".yaml", ".yml"))
+        return files
+
+    def install_crds(self, files: Sequence[Path] | None = None) -> list[str]:
+        """Server-side apply CRDs (KubeRay's are ~1 MB, too big for client-side apply); wait Established."""
+        files = self.crd_files() if files is None else list(files)
+        if not files:
+            return []
+        args = ["apply", "--server-side", "--force-conflicts", "--field-manager=hybridflow-e2e", "-o", "name"]
+        for f in files:
+            args += ["-f", str(f)]
+        names = self.kubectl(*args, timeout=self.timeout).stdout.split()
+        if names:
+            self.kubectl(
+                "wait",
+                "--for=condition=Established",
+                f"--timeout={int(self.timeout)}s",
+                *names,
+                timeout=self.timeout + 10,
+            )
+        return names
+
+    def wait_for_service_account(self, namespace: str, name: str = "default", timeout: float | None = None) -> None:
+        """Pods are rejected until the controller-manager has created the namespace's ServiceAccount."""
+        limit = timeout or self.timeout
+
+        def exists() -> bool:
+            return self.kubectl("get", "serviceaccount", name, "-n", namespace, check=False).returncode == 0
+
+        kcm = self.processes.get("kube-controller-manager")
+        wait_until(
+            exists,
+            limit,
+            lambda: (
+                kcm.failure(f"did not create serviceaccount {namespace}/{name} within {limit:.0f}s")
+                if kcm
+                else StartupError(f"serviceaccount {namespace}/{name} never appeared (no controller-manager runs)")
+            ),
+        )
+
+    def create_namespace(self, name: str) -> None:
+        """Create a namespace and, in full mode, wait until Pods may be created in it."""
+        self.apply_objects([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}])
+        if self.full:
+            self.wait_for_service_account(name)
+
+    def create_gpu_fleet(self, pools: Sequence[NodePool] | None = None, timeout: float | None = None) -> list[str]:
+        """Create kwok-managed fake nodes (default_fleet() unless given) and wait until all are Ready."""
+        if "kwok" not in self.processes:
+            raise StartupError("create_gpu_fleet needs a full control plane (kwok is not running)")
+        manifests = fleet_manifests(default_fleet() if pools is None else pools)
+        # Plain create, not server-side apply: apply drops `status`, and the capacity lives there.
+        body = json.dumps({"apiVersion": "v1", "kind": "List", "items": manifests})
+        self.kubectl("create", "-f", "-", input=body)
+        names = [m["metadata"]["name"] for m in manifests]
+        limit = timeout or self.timeout
+        self.kubectl(
+            "wait",
+            "--for=condition=Ready",
+            f"--timeout={int(limit)}s",
+            *(f"node/{n}" for n in names),
+            timeout=limit + 10,
+        )
+        self.fleet += names
+        return names

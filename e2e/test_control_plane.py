@@ -1,0 +1,281 @@
+"""The e2e control plane itself: each component does its real job.
+
+If these fail, every cluster test built on top would fail for reasons unrelated to hybridflow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.harness import A100, binaries
+from e2e.harness.controlplane import ControlPlane, eventually
+
+pytestmark = pytest.mark.controlplane
+
+RAY_IMAGE = "rayproject/ray:2.46.0"
+WAIT_S = 90.0
+
+
+def create(cp: ControlPlane, namespace: str, manifest: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """kubectl create of one manifest; returns the result without raising so tests can inspect it."""
+    return cp.kubectl("create", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest), check=False)
+
+
+def rayjob(name: str, spec_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A minimal RayJob; suspended so a running operator leaves it alone (KubeRay allows that only
+    together with shutdownAfterJobFinishes)."""
+    spec: dict[str, Any] = {
+        "entrypoint": "python -c 'print(1)'",
+        "suspend": True,
+        "shutdownAfterJobFinishes": True,
+        "rayClusterSpec": {
+            "headGroupSpec": {
+                "rayStartParams": {},
+                "template": {"spec": {"containers": [{"name": "ray-head", "image": RAY_IMAGE}]}},
+            }
+        },
+    }
+    spec.update(spec_overrides or {})
+    return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": {"name": name}, "spec": spec}
+
+
+# --- API server --------------------------------------------------------------------------------
+
+
+def test_kubectl_version_reports_the_pinned_release(control_plane: ControlPlane) -> None:
+    info = json.loads(control_plane.kubectl("version", "-o", "json").stdout)
+    server = info["serverVersion"]
+    assert server["major"] == "1"
+    if not os.environ.get("KUBEBUILDER_ASSETS") and not os.environ.get("TEST_ASSET_KUBE_APISERVER"):
+        assert server["gitVersion"] == binaries.version("kube-apiserver")
+
+
+def test_api_resources_include_core_and_kuberay_kinds(kuberay_crds: ControlPlane) -> None:
+    names = set(kuberay_crds.kubectl("api-resources", "-o", "name").stdout.split())
+    assert {
+        "pods",
+        "nodes",
+        "deployments.apps",
+        "jobs.batch",
+        "customresourcedefinitions.apiextensions.k8s.io",
+    } <= names
+    assert {"rayjobs.ray.io", "rayclusters.ray.io"} <= names
+
+
+def test_rbac_is_enforced(control_plane: ControlPlane) -> None:
+    allowed = control_plane.kubectl("auth", "can-i", "create", "pods", "--as=nobody", check=False)
+    assert allowed.stdout.strip() == "no"
+    admin = control_plane.kubectl("auth", "can-i", "*", "*")
+    assert admin.stdout.strip() == "yes"
+
+
+# --- KubeRay's real CRDs -----------------------------------------------------------------------
+
+
+def test_valid_rayjob_is_accepted(kuberay_crds: ControlPlane, namespace: str) -> None:
+    result = create(kuberay_crds, namespace, rayjob("valid"))
+    assert result.returncode == 0, result.stderr
+    stored = kuberay_crds.get_json("rayjob", "valid", "-n", namespace)
+    assert stored["spec"]["submissionMode"] == "K8sJobMode"  # defaulted by the CRD schema
+    assert stored["spec"]["backoffLimit"] == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"shutdownAfterJobFinishes": "yes"}, "spec.shutdownAfterJobFinishes"),
+        (
+            {"rayClusterSpec": {"headGroupSpec": {"rayStartParams": {}}}},
+            "spec.rayClusterSpec.headGroupSpec.template",
+        ),
+        ({"rayClusterSpec": {"workerGroupSpecs": []}}, "spec.rayClusterSpec.headGroupSpec"),
+        ({"backoffLimit": "three"}, "spec.backoffLimit"),
+    ],
+    ids=["bool-as-string", "head-without-template", "no-head-group", "int-as-string"],
+)
+def test_invalid_rayjob_is_rejected_by_the_schema(
+    kuberay_crds: ControlPlane, namespace: str, overrides: dict[str, Any], message: str
+) -> None:
+    result = create(kuberay_crds, namespace, rayjob("invalid", overrides))
+    assert result.returncode != 0
+    assert "is invalid" in result.stderr and message in result.stderr, result.stderr
+
+
+# --- controllers, scheduler, kwok, KubeRay operator ---------------------------------------------
+
+
+def nodes_by_product(cp: ControlPlane) -> dict[str, list[dict[str, Any]]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for node in cp.get_json("nodes", "-l", "type=kwok")["items"]:
+        product = node["metadata"]["labels"].get("nvidia.com/gpu.product", "cpu")
+        groups.setdefault(product, []).append(node)
+    return groups
+
+
+def is_ready(node: dict[str, Any]) -> bool:
+    conditions = node["status"].get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def test_fake_fleet_is_ready_with_gpu_capacity(full_cluster: ControlPlane) -> None:
+    groups = nodes_by_product(full_cluster)
+    assert {k: len(v) for k, v in groups.items()} == {A100: 4, "NVIDIA-H100-80GB-HBM3": 2, "cpu": 2}
+    for node in groups[A100]:
+        assert is_ready(node)
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
+        assert {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"} in node["spec"]["taints"]
+    assert all(is_ready(n) for n in groups["cpu"])
+
+
+def gpu_pod(name: str, product: str, gpus: int = 1, tolerate: bool = True) -> dict[str, Any]:
+    """A Pod that asks for GPUs of one product, as a rendered Ray worker would."""
+    spec: dict[str, Any] = {
+        "containers": [
+            {
+                "name": "main",
+                "image": "busybox",
+                "resources": {
+                    "limits": {"nvidia.com/gpu": str(gpus)},
+                    "requests": {"cpu": "1", "memory": "1Gi"},
+                },
+            }
+        ],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": [product]}]}
+                    ]
+                }
+            }
+        },
+    }
+    if tolerate:
+        spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def test_gpu_pod_is_scheduled_on_an_a100_node_and_runs(full_cluster: ControlPlane, namespace: str) -> None:
+    assert create(full_cluster, namespace, gpu_pod("trainer", A100, gpus=8)).returncode == 0
+    full_cluster.kubectl(
+        "wait",
+        "-n",
+        namespace,
+        "pod/trainer",
+        "--for=jsonpath={.status.phase}=Running",
+        f"--timeout={WAIT_S:.0f}s",
+    )
+    pod = full_cluster.get_json("pod", "trainer", "-n", namespace)
+    node = full_cluster.get_json("node", pod["spec"]["nodeName"])
+    assert node["metadata"]["labels"]["nvidia.com/gpu.product"] == A100
+
+
+def test_gpu_pod_without_toleration_stays_pending(full_cluster: ControlPlane, namespace: str) -> None:
+    assert create(full_cluster, namespace, gpu_pod("untolerated", A100, tolerate=False)).returncode == 0
+
+    def unschedulable() -> bool:
+        pod = full_cluster.get_json("pod", "untolerated", "-n", namespace)
+        conditions = pod["status"].get("conditions", [])
+        return any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conditions)
+
+    eventually(unschedulable, WAIT_S, "scheduler marks the untolerated GPU pod Unschedulable")
+    assert not full_cluster.get_json("pod", "untolerated", "-n", namespace)["spec"].get("nodeName")
+
+
+def raycluster(name: str) -> dict[str, Any]:
+    """A RayCluster with a CPU head and one A100 worker, like the clusters the operator renders."""
+    worker = gpu_pod("unused", A100, gpus=8)["spec"]
+    worker["containers"][0] |= {"name": "ray-worker", "image": RAY_IMAGE}
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {"name": name},
+        "spec": {
+            "headGroupSpec": {
+                "rayStartParams": {"num-cpus": "0"},
+                "template": {
+                    "spec": {
+                        "containers": [
+                            {
+                                "name": "ray-head",
+                                "image": RAY_IMAGE,
+                                "resources": {"requests": {"cpu": "2", "memory": "8Gi"}},
+                            }
+                        ]
+                    }
+                },
+            },
+            "workerGroupSpecs": [
+                {
+                    "groupName": "a100",
+                    "replicas": 1,
+                    "minReplicas": 1,
+                    "maxReplicas": 1,
+                    "rayStartParams": {},
+                    "template": {"spec": worker},
+                }
+            ],
+        },
+    }
+
+
+def ray_pods(cp: ControlPlane, namespace: str, cluster: str) -> list[dict[str, Any]]:
+    return cp.get_json("pods", "-n", namespace, "-l", f"ray.io/cluster={cluster}")["items"]
+
+
+def test_kuberay_operator_creates_bound_ray_pods(full_cluster: ControlPlane, namespace: str) -> None:
+    assert create(full_cluster, namespace, raycluster("rc")).returncode == 0
+
+    def bound_pods() -> dict[str, dict[str, Any]]:
+        pods = {p["metadata"]["labels"]["ray.io/node-type"]: p for p in ray_pods(full_cluster, namespace, "rc")}
+        both = {"head", "worker"} <= pods.keys()
+        return pods if both and all(p["spec"].get("nodeName") for p in pods.values()) else {}
+
+    pods = eventually(bound_pods, WAIT_S, "KubeRay creates head and worker pods and the scheduler binds them")
+    head_node = full_cluster.get_json("node", pods["head"]["spec"]["nodeName"])
+    worker_node = full_cluster.get_json("node", pods["worker"]["spec"]["nodeName"])
+    assert "nvidia.com/gpu.product" not in head_node["metadata"]["labels"]  # untolerated: CPU node
+    assert worker_node["metadata"]["labels"]["nvidia.com/gpu.product"] == A100
+    full_cluster.kubectl(
+        "wait",
+        "-n",
+        namespace,
+        "pod",
+        "-l",
+        "ray.io/cluster=rc",
+        "--for=condition=Ready",
+        f"--timeout={WAIT_S:.0f}s",
+    )
+
+
+def test_deleting_an_owner_garbage_collects_its_children(full_cluster: ControlPlane, namespace: str) -> None:
+    full_cluster.kubectl("create", "configmap", "owner", "-n", namespace)
+    owner_uid = full_cluster.get_json("configmap", "owner", "-n", namespace)["metadata"]["uid"]
+    child = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "child",
+            "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner_uid}],
+        },
+    }
+    assert create(full_cluster, namespace, child).returncode == 0
+    full_cluster.kubectl("delete", "configmap", "owner", "-n", namespace)
+
+    def child_gone() -> bool:
+        return full_cluster.kubectl("get", "configmap", "child", "-n", namespace, check=False).returncode != 0
+
+    eventually(child_gone, WAIT_S, "the garbage collector deletes the child ConfigMap")
+
+
+def test_deleting_a_raycluster_removes_its_pods(full_cluster: ControlPlane, namespace: str) -> None:
+    assert create(full_cluster, namespace, raycluster("gc")).returncode == 0
+    eventually(lambda: len(ray_pods(full_cluster, namespace, "gc")) == 2, WAIT_S, "KubeRay creates the pods")
+    full_cluster.kubectl("delete", "raycluster", "gc", "-n", namespace, f"--timeout={WAIT_S:.0f}s")
+    eventually(lambda: not ray_pods(full_cluster, namespace, "gc"), WAIT_S, "the RayCluster's pods are deleted")

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# Build the binaries of the e2e control plane from their Go modules, once per version.
+#
+#   e2e/toolchain/build.sh [component...]      (default: all components)
+#
+# Components: etcd kube-apiserver kube-controller-manager kube-scheduler kwok kuberay helm kubectl
+# (a client matching the server's version), and kuberay-crds (only KubeRay's CRDs, which ship in
+# its Go module: seconds instead of minutes; the kuberay component copies them too).
+# Each lands in ${HYBRIDFLOW_CACHE:-$HOME/.cache/hybridflow}/bin/<component>-<version>/<binary>;
+# a binary already there is not rebuilt, so a warm run takes seconds. Versions come from the
+# wrapper modules next to this script (one per upstream, because their k8s.io pins differ).
+# Builds run one after another: on small machines the linker's memory peak is what matters.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+CACHE=${HYBRIDFLOW_CACHE:-$HOME/.cache/hybridflow}
+BIN_ROOT=$CACHE/bin
+ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok kuberay helm kubectl)
+
+export CGO_ENABLED=0
+# A fresh machine may have an older Go: let it fetch the toolchain a module asks for.
+export GOTOOLCHAIN=${GOTOOLCHAIN:-auto}
+
+usage() {
+  sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+}
+
+find_go() {
+  if command -v go >/dev/null 2>&1; then
+    command -v go
+  elif [[ -x /usr/local/go/bin/go ]]; then
+    echo /usr/local/go/bin/go
+  else
+    echo "build.sh: Go is not installed (need go on PATH or /usr/local/go/bin/go)" >&2
+    exit 2
+  fi
+}
+GO=$(find_go)
+
+# module_version DIR MODULE: the version DIR/go.mod requires for MODULE.
+module_version() {
+  local version
+  version=$(awk -v mod="$2" '
+    $1 == "require" && $2 == mod { print $3; exit }
+    $1 == mod && $2 ~ /^v/ { print $2; exit }' "$HERE/$1/go.mod")
+  if [[ -z $version ]]; then
+    echo "build.sh: $HERE/$1/go.mod does not require $2" >&2
+    exit 2
+  fi
+  echo "$version"
+}
+
+# spec COMPONENT: prints "wrapper-dir module package binary" for a component.
+spec() {
+  case $1 in
+    etcd) echo "etcd go.etcd.io/etcd/server/v3 go.etcd.io/etcd/server/v3 etcd" ;;
+    kube-apiserver | kube-controller-manager | kube-scheduler | kubectl)
+      echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/$1 $1" ;;
+    kwok) echo "kwok sigs.k8s.io/kwok sigs.k8s.io/kwok/cmd/kwok kwok" ;;
+    kuberay | kuberay-crds)
+      echo "kuberay github.com/ray-project/kuberay/ray-operator github.com/ray-project/kuberay/ray-operator ray-operator" ;;
+    helm) echo "helm helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm helm" ;;
+    *)
+      echo "build.sh: unknown component '$1' (known: ${ALL[*]} kuberay-crds)" >&2
+      exit 2
+      ;;
+  esac
+}
+
+# ldflags COMPONENT VERSION: version stamps, so `--version` reports the real release.
+ldflags() {
+  local flags="-s -w"
+  case $1 in
+    kube-* | kubectl)
+      local major minor
+      major=${2#v}; major=${major%%.*}
+      minor=${2#v*.}; minor=${minor%%.*}
+      for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        flags+=" -X $pkg.gitVersion=$2 -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
+        flags+=" -X $pkg.gitTreeState=clean"
+      done
+      ;;
+    helm) flags+=" -X helm.sh/helm/v3/internal/version.version=$2" ;;
+  esac
+  echo "$flags"
+}
+
+# copy_kuberay_crds WRAPPER MODULE DEST: KubeRay's CRDs ship inside its Go module.
+copy_kuberay_crds() {
+  local src
+  src=$(cd "$HERE/$1" && "$GO" list -m -f '{{.Dir}}' "$2")
+  mkdir -p "$3"
+  for crd in rayclusters rayjobs rayservices; do
+    cp "$src/config/crd/bases/ray.io_$crd.yaml" "$3/"
+    chmod u+w "$3/ray.io_$crd.yaml"
+  done
+}
+
+# ensure_kuberay_crds VERSION: the CRDs alone, next to where the kuberay binary goes.
+ensure_kuberay_crds() {
+  local dest=$BIN_ROOT/kuberay-$1/crds
+  if [[ -f $dest/ray.io_rayjobs.yaml ]]; then
+    echo "kuberay-crds $1: present ($dest)"
+    return
+  fi
+  local start=$SECONDS
+  copy_kuberay_crds kuberay github.com/ray-project/kuberay/ray-operator "$dest.tmp"
+  rm -rf "$dest" && mv "$dest.tmp" "$dest"
+  echo "kuberay-crds $1: copied in $((SECONDS - start))s -> $dest"
+}
+
+build_one() {
+  local component=$1 wrapper module pkg binary version dest
+  read -r wrapper module pkg binary <<<"$(spec "$component")"
+  version=$(module_version "$wrapper" "$module")
+  if [[ $component == kuberay-crds ]]; then
+    ensure_kuberay_crds "$version"
+    return
+  fi
+  dest=$BIN_ROOT/$component-$version
+  if [[ -x $dest/$binary && ($component != kuberay || -f $dest/crds/ray.io_rayjobs.yaml) ]]; then
+    echo "$component $version: present ($dest/$binary)"
+    return
+  fi
+  local start=$SECONDS
+  echo "$component $version: building $pkg ..."
+  mkdir -p "$dest"
+  # Build next to the destination and rename, so an interrupted build never looks complete.
+  (cd "$HERE/$wrapper" && "$GO" build -trimpath -ldflags "$(ldflags "$component" "$version")" \
+    -o "$dest/.$binary.tmp" "$pkg")
+  mv -f "$dest/.$binary.tmp" "$dest/$binary"
+  echo "$component $version: built in $((SECONDS - start))s -> $dest/$binary"
+  if [[ $component == kuberay ]]; then
+    ensure_kuberay_crds "$version"
+  fi
+}
+
+main() {
+  if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    usage
+    return
+  fi
+  local components=("$@")
+  [[ ${#components[@]} -gt 0 ]] || components=("${ALL[@]}")
+  for c in "${components[@]}"; do spec "$c" >/dev/null; done
+  mkdir -p "$BIN_ROOT"
+  # Two test sessions must not build the same binary at once.
+  if command -v flock >/dev/null 2>&1; then
+    exec 9>"$BIN_ROOT/.build.lock"
+    flock 9
+  fi
+  local start=$SECONDS
+  for c in "${components[@]}"; do build_one "$c"; done
+  echo "build.sh: ${#components[@]} component(s) ready in $((SECONDS - start))s under $BIN_ROOT"
+}
+
+main "$@"

@@ -1,0 +1,68 @@
+"""`python -m hybridflow_operator`: run the operator (kopf) with settings from the environment and flags.
+
+Flags override the HYBRIDFLOW_* environment variables of the same meaning; they are written back
+into the environment before the handlers are imported, so both read one source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import kopf
+
+from hybridflow_operator.settings import SettingsError, from_env
+
+DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+FLAG_ENV = {
+    "namespaces": "HYBRIDFLOW_WATCH_NAMESPACES",
+    "log_level": "HYBRIDFLOW_LOG_LEVEL",
+    "event_level": "HYBRIDFLOW_EVENT_LEVEL",
+    "gpu_products": "HYBRIDFLOW_GPU_PRODUCTS",
+    "runtime_image": "HYBRIDFLOW_RUNTIME_IMAGE",
+    "status_interval": "HYBRIDFLOW_STATUS_INTERVAL",
+}
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="hybridflow-operator", description=__doc__.splitlines()[0])
+    p.add_argument("--namespaces", help="comma-separated namespaces to watch (default: cluster-wide)")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--event-level", help="lowest level posted as Kubernetes Events (INFO or WARNING)")
+    p.add_argument("--gpu-products", help="JSON/YAML mapping gpuType -> nvidia.com/gpu.product values")
+    p.add_argument("--runtime-image", help="image of the Ray pods when spec.cluster.image is empty")
+    p.add_argument("--status-interval", help="seconds between safety-net resyncs")
+    p.add_argument("--liveness", default=os.environ.get("HYBRIDFLOW_LIVENESS", DEFAULT_LIVENESS),
+                   help=f"kopf liveness endpoint (default {DEFAULT_LIVENESS}; empty disables)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    for attr, env in FLAG_ENV.items():
+        value = getattr(args, attr)
+        if value is not None:
+            os.environ[env] = value
+    try:
+        settings = from_env(os.environ)
+    except SettingsError as e:
+        print(f"hybridflow-operator: {e}", file=sys.stderr)
+        return 2
+    kopf.configure(debug=settings.log_level == "DEBUG")
+    logging.getLogger().setLevel(settings.log_level_number)
+    import hybridflow_operator.handlers  # noqa: F401  (registers the handlers with kopf)
+
+    kopf.run(
+        clusterwide=settings.clusterwide,
+        namespaces=settings.watch_namespaces,
+        liveness_endpoint=args.liveness or None,
+        standalone=True,  # one replica (Deployment strategy Recreate); no peering CRD needed
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

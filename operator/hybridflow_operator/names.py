@@ -1,0 +1,54 @@
+"""Names and labels of the objects an RLTrainingJob owns.
+
+Names are a pure function of the job name, so a restarted operator finds what it created before
+instead of creating it twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from hybridflow.api import API_GROUP
+
+MAX_RAYJOB_NAME = 47  # KubeRay: RayCluster names <= 53 and it appends "-" + 5 characters
+HASH_LEN = 6
+
+NAME_LABEL = "app.kubernetes.io/name"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+JOB_LABEL = f"{API_GROUP}/job"
+POOL_LABEL = f"{API_GROUP}/pool"
+GENERATION_ANNOTATION = f"{API_GROUP}/generation"
+CLUSTER_HASH_ANNOTATION = f"{API_GROUP}/cluster-hash"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+RAY_GROUP_LABEL = "ray.io/group"
+FINALIZER = f"{API_GROUP}/finalizer"
+
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def short_hash(text: str, length: int = HASH_LEN) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def rayjob_name(job_name: str) -> str:
+    """The job name when KubeRay accepts it (DNS-1035, <= 47), else a prefix plus a hash of the full name."""
+    if len(job_name) <= MAX_RAYJOB_NAME and _DNS1035.match(job_name):
+        return job_name
+    base = job_name if job_name[:1].isalpha() else f"rl-{job_name}"
+    prefix = base[: MAX_RAYJOB_NAME - HASH_LEN - 1].rstrip("-")
+    return f"{prefix}-{short_hash(job_name)}"
+
+
+def config_map_name(job_name: str) -> str:
+    return f"{job_name}-config"
+
+
+def runtime_identity_name(job_name: str) -> str:
+    """ServiceAccount, Role and RoleBinding share this name."""
+    return f"{job_name}-runtime"
+
+
+def labels(job_name: str) -> dict[str, str]:
+    """Every child carries these; JOB_LABEL maps a child (or a Ray pod) back to its job."""
+    return {NAME_LABEL: "hybridflow", MANAGED_BY_LABEL: "hybridflow-operator", JOB_LABEL: job_name}

@@ -1,0 +1,164 @@
+"""Ray head and worker group specs (KubeRay v1) for a planned layout.
+
+GPU pods: pinned to the GPU products of spec.cluster.gpuType, tolerate the nvidia.com/gpu taint,
+limits equal requests (KubeRay reads GPUs from limits), a memory-backed /dev/shm of spec size, NCCL
+settings. Pods without GPUs get NVIDIA_VISIBLE_DEVICES=void so the container runtime hides the
+node's GPUs from them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from hybridflow.api import Cluster
+from hybridflow_operator.layout import GroupPlan
+from hybridflow_operator.names import JOB_LABEL, POOL_LABEL, RAY_GROUP_LABEL
+
+CONFIG_DIR = "/etc/hybridflow"
+CONFIG_FILE = "job.yaml"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001))
+_CONFIG_VOLUME = "hybridflow-config"
+_SHM_VOLUME = "dshm"
+
+
+@dataclass(frozen=True)
+class PodContext:
+    """What every Ray pod of one job shares."""
+
+    job_name: str
+    namespace: str
+    image: str
+    service_account: str
+    config_map: str
+    labels: Mapping[str, str]
+    cluster: Cluster
+    gpu_products: Sequence[str]
+
+
+def pool_resource(group: str) -> str:
+    """The Ray custom resource a group's nodes advertise, so the runtime can pin bundles to a pool."""
+    return f"pool_{group}"
+
+
+def head_group(ctx: PodContext) -> dict:
+    """No GPUs and num-cpus 0: the driver and Ray's own services stay off the training path."""
+    container = {
+        "name": "ray-head",
+        "image": ctx.image,
+        "imagePullPolicy": "IfNotPresent",
+        "ports": [{"name": name, "containerPort": port} for name, port in HEAD_PORTS],
+        "resources": _resources(ctx.cluster.head_cpus, ctx.cluster.head_memory, 0),
+        "env": [*_runtime_env(ctx), _env("NVIDIA_VISIBLE_DEVICES", "void")],
+        "volumeMounts": [_config_mount()],
+    }
+    return {
+        "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+        "template": _template(ctx, dict(ctx.labels), container, [_config_volume(ctx)], gpu=False),
+    }
+
+
+def worker_group(plan: GroupPlan, ctx: PodContext) -> dict:
+    gpu = plan.gpus > 0
+    env = [*_runtime_env(ctx), _env("HYBRIDFLOW_POOL", plan.name)]
+    env += _nccl_env(ctx.cluster) if gpu else [_env("NVIDIA_VISIBLE_DEVICES", "void")]
+    mounts = [_config_mount()]
+    volumes = [_config_volume(ctx)]
+    if gpu:
+        mounts.append({"name": _SHM_VOLUME, "mountPath": "/dev/shm"})
+        volumes.append({"name": _SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": ctx.cluster.shm_size}})
+    container = {
+        "name": "ray-worker",
+        "image": ctx.image,
+        "imagePullPolicy": "IfNotPresent",
+        "resources": _resources(plan.cpus, plan.memory, plan.gpus),
+        "env": env,
+        "volumeMounts": mounts,
+    }
+    template = _template(ctx, {**ctx.labels, POOL_LABEL: plan.name}, container, volumes,
+                         gpu=gpu or plan.near is not None)
+    affinity = _affinity(plan, ctx)
+    if affinity:
+        template["spec"]["affinity"] = affinity
+    slots = plan.gpus if gpu else plan.cpus
+    return {
+        "groupName": plan.name,
+        "replicas": plan.replicas,
+        "minReplicas": plan.min_replicas,
+        "maxReplicas": plan.max_replicas,
+        # KubeRay's documented form: a JSON object inside a quoted string.
+        "rayStartParams": {"resources": json.dumps(json.dumps({pool_resource(plan.name): slots}))},
+        "template": template,
+    }
+
+
+def _template(ctx: PodContext, labels: dict, container: dict, volumes: list[dict], *, gpu: bool) -> dict:
+    tolerations = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}] if gpu else []
+    tolerations += [t.to_yaml_dict() for t in ctx.cluster.tolerations]
+    spec: dict = {"serviceAccountName": ctx.service_account, "containers": [container], "volumes": volumes}
+    if ctx.cluster.node_selector:
+        spec["nodeSelector"] = dict(ctx.cluster.node_selector)
+    if tolerations:
+        spec["tolerations"] = tolerations
+    return {"metadata": {"labels": labels}, "spec": spec}
+
+
+def _affinity(plan: GroupPlan, ctx: PodContext) -> dict:
+    affinity: dict = {}
+    if plan.gpus > 0:
+        term = {"matchExpressions": [{"key": GPU_PRODUCT_LABEL, "operator": "In", "values": list(ctx.gpu_products)}]}
+        affinity["nodeAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}
+    if plan.near:
+        selector = {"matchLabels": {JOB_LABEL: ctx.job_name, RAY_GROUP_LABEL: plan.near}}
+        affinity["podAffinity"] = {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"labelSelector": selector, "topologyKey": HOSTNAME_TOPOLOGY}
+            ]
+        }
+    return affinity
+
+
+def _resources(cpus: int, memory: str, gpus: int) -> dict:
+    amounts = {"cpu": str(cpus), "memory": memory}
+    if gpus:
+        amounts[GPU_RESOURCE] = str(gpus)
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _runtime_env(ctx: PodContext) -> list[dict]:
+    """Lets the runtime find its config and patch its own job's status.progress."""
+    return [
+        _env("HYBRIDFLOW_JOB_NAME", ctx.job_name),
+        _env("HYBRIDFLOW_JOB_NAMESPACE", ctx.namespace),
+        _env("HYBRIDFLOW_CONFIG", CONFIG_PATH),
+    ]
+
+
+def _nccl_env(cluster: Cluster) -> list[dict]:
+    """NCCL_CUMEM_ENABLE=0 as verl sets it; the interface/InfiniBand settings only when given."""
+    nccl = cluster.nccl
+    env = [_env("NCCL_CUMEM_ENABLE", "0")]
+    optional = {
+        "NCCL_SOCKET_IFNAME": nccl.socket_ifname,
+        "NCCL_IB_HCA": nccl.ib_hca,
+        "NCCL_IB_DISABLE": None if nccl.ib_disable is None else str(int(nccl.ib_disable)),
+        "NCCL_DEBUG": nccl.debug,
+    }
+    return env + [_env(k, v) for k, v in optional.items() if v is not None]
+
+
+def _config_mount() -> dict:
+    return {"name": _CONFIG_VOLUME, "mountPath": CONFIG_DIR, "readOnly": True}
+
+
+def _config_volume(ctx: PodContext) -> dict:
+    return {"name": _CONFIG_VOLUME, "configMap": {"name": ctx.config_map}}
+
+
+def _env(name: str, value: str) -> dict:
+    return {"name": name, "value": value}

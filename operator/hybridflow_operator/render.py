@@ -1,0 +1,204 @@
+"""RLTrainingJob -> the manifests it owns: ConfigMap, ServiceAccount, Role, RoleBinding, RayJob.
+
+Pure: the operator applies exactly this and `hybridflow render FILE` prints exactly this.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from hybridflow.api import API_GROUP, API_VERSION, KIND, PLURAL, RLTrainingJob, SpecError, parse_job
+from hybridflow.api.spec import Graph as GraphSpec
+from hybridflow.api.spec import GraphEdge, GraphNode
+from hybridflow.graph import DataflowGraph
+from hybridflow_operator import names
+from hybridflow_operator.errors import RenderError
+from hybridflow_operator.layout import Layout, plan_layout
+from hybridflow_operator.pods import CONFIG_FILE, CONFIG_PATH, PodContext, head_group, worker_group
+from hybridflow_operator.settings import OperatorSettings
+
+ENTRYPOINT = f"python -m hybridflow train --config {CONFIG_PATH}"
+
+__all__ = ["ENTRYPOINT", "RenderError", "Rendered", "as_job", "render", "render_children", "render_manifests"]
+
+
+@dataclass(frozen=True)
+class Rendered:
+    job: RLTrainingJob
+    layout: Layout
+    children: list[dict]
+
+
+def as_job(job: Mapping[str, Any] | RLTrainingJob) -> RLTrainingJob:
+    """The typed job; a spec the API models reject is a RenderError on `spec`."""
+    if isinstance(job, RLTrainingJob):
+        return job
+    try:
+        return parse_job(_plain(job), source="spec")
+    except SpecError as e:
+        raise RenderError("spec", "InvalidSpec", "; ".join(e.problems)) from None
+
+
+def render_children(job: Mapping[str, Any] | RLTrainingJob, settings: OperatorSettings) -> list[dict]:
+    """ConfigMap, ServiceAccount, Role, RoleBinding and RayJob, in the order they should be created."""
+    return render(job, settings).children
+
+
+def render(job: Mapping[str, Any] | RLTrainingJob, settings: OperatorSettings) -> Rendered:
+    """The children with the layout they came from (the operator needs its rollout group)."""
+    job = as_job(job)
+    layout = plan_layout(job.spec, settings.gpu_products)
+    name = job.metadata.name
+    namespace = job.metadata.namespace or "default"
+    identity = names.runtime_identity_name(name)
+    children = [
+        _config_map(job, layout, namespace),
+        _object("v1", "ServiceAccount", identity, namespace),
+        _role(name, identity, namespace),
+        _role_binding(identity, namespace),
+        _rayjob(job, layout, settings, namespace),
+    ]
+    owner = owner_reference(name, (job.metadata.model_extra or {}).get("uid"))
+    for child in children:
+        child["metadata"]["labels"] = {**names.labels(name), **child["metadata"].get("labels", {})}
+        if owner:
+            child["metadata"]["ownerReferences"] = [owner]
+    return Rendered(job, layout, children)
+
+
+def render_manifests(job: Mapping[str, Any] | RLTrainingJob, settings: OperatorSettings) -> str:
+    """The children as multi-document YAML."""
+    return yaml.dump_all(render_children(job, settings), Dumper=_BlockDumper, sort_keys=False)
+
+
+def owner_reference(name: str, uid: str | None) -> dict | None:
+    """Controller reference to the job; None for a job read from a file (no uid yet)."""
+    if not uid:
+        return None
+    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def cluster_hash(rayjob: Mapping[str, Any], rollout_group: str | None) -> str:
+    """Hash of the cluster layout that cannot change on a running RayJob (rollout replicas excluded)."""
+    spec = json.loads(json.dumps(rayjob["spec"]["rayClusterSpec"]))
+    for group in spec.get("workerGroupSpecs", []):
+        if group["groupName"] == rollout_group:
+            for key in ("replicas", "minReplicas", "maxReplicas"):
+                group.pop(key, None)
+    return names.short_hash(json.dumps(spec, sort_keys=True), 16)
+
+
+# -- children ---------------------------------------------------------------------------------------
+
+
+def _object(api_version: str, kind: str, name: str, namespace: str) -> dict:
+    return {"apiVersion": api_version, "kind": kind, "metadata": {"name": name, "namespace": namespace}}
+
+
+def _config_map(job: RLTrainingJob, layout: Layout, namespace: str) -> dict:
+    """The job as the runtime reads it: the spec with the resolved graph (parallelism filled in)."""
+    spec = job.spec.to_yaml_dict()
+    spec["graph"] = _graph_doc(layout.graph)
+    doc = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
+           "metadata": {"name": job.metadata.name, "namespace": namespace}, "spec": spec}
+    cm = _object("v1", "ConfigMap", names.config_map_name(job.metadata.name), namespace)
+    cm["data"] = {CONFIG_FILE: yaml.safe_dump(doc, sort_keys=False)}
+    return cm
+
+
+def _graph_doc(graph: DataflowGraph) -> dict:
+    """graph.to_spec() without validation: the built-in node names (actor_rollout) fail the node-name
+    pattern of the API models, and the graph is already valid by construction."""
+    nodes = [GraphNode.model_construct(name=n.name, role=n.role, resources=dict(n.resources),
+                                       parallelism=n.parallelism, pool=n.pool) for n in graph.nodes]
+    edges = [GraphEdge.model_construct(src=e.src_name, dst=e.dst_name, data_type=e.data_type, control=e.control,
+                                       co_locate=e.co_locate, max_size_bytes=e.max_size_bytes,
+                                       consistency=e.consistency) for e in graph.edges]
+    return GraphSpec.model_construct(nodes=nodes, edges=edges).to_yaml_dict()
+
+
+def _role(job_name: str, identity: str, namespace: str) -> dict:
+    """Read this one job and patch its status (progress); nothing else."""
+    role = _object("rbac.authorization.k8s.io/v1", "Role", identity, namespace)
+    role["rules"] = [
+        {"apiGroups": [API_GROUP], "resources": [PLURAL], "resourceNames": [job_name], "verbs": ["get"]},
+        {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/status"], "resourceNames": [job_name],
+         "verbs": ["get", "patch"]},
+    ]
+    return role
+
+
+def _role_binding(identity: str, namespace: str) -> dict:
+    binding = _object("rbac.authorization.k8s.io/v1", "RoleBinding", identity, namespace)
+    binding["roleRef"] = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": identity}
+    binding["subjects"] = [{"kind": "ServiceAccount", "name": identity, "namespace": namespace}]
+    return binding
+
+
+def _rayjob(job: RLTrainingJob, layout: Layout, settings: OperatorSettings, namespace: str) -> dict:
+    name = job.metadata.name
+    cluster = job.spec.cluster
+    policy = job.spec.run_policy
+    ctx = PodContext(
+        job_name=name,
+        namespace=namespace,
+        image=cluster.image or settings.runtime_image,
+        service_account=names.runtime_identity_name(name),
+        config_map=names.config_map_name(name),
+        labels=names.labels(name),
+        cluster=cluster,
+        gpu_products=tuple(settings.gpu_products.get(cluster.gpu_type, ())),
+    )
+    spec: dict[str, Any] = {
+        "entrypoint": ENTRYPOINT,
+        "submissionMode": cluster.submission_mode,
+        "shutdownAfterJobFinishes": True,
+        "ttlSecondsAfterFinished": policy.ttl_seconds_after_finished,
+        "backoffLimit": policy.backoff_limit,
+        "suspend": policy.suspend,
+        "rayClusterSpec": {
+            "rayVersion": cluster.ray_version,
+            "enableInTreeAutoscaling": False,
+            "headGroupSpec": head_group(ctx),
+            "workerGroupSpecs": [worker_group(g, ctx) for g in layout.groups],
+        },
+    }
+    if policy.active_deadline_seconds is not None:
+        spec["activeDeadlineSeconds"] = policy.active_deadline_seconds
+    rayjob = _object("ray.io/v1", "RayJob", names.rayjob_name(name), namespace)
+    rayjob["spec"] = spec
+    if cluster.queue_name:
+        rayjob["metadata"]["labels"] = {names.QUEUE_LABEL: cluster.queue_name}
+    annotations = {names.CLUSTER_HASH_ANNOTATION: cluster_hash(rayjob, layout.rollout_group)}
+    generation = (job.metadata.model_extra or {}).get("generation")
+    if generation is not None:
+        annotations[names.GENERATION_ANNOTATION] = str(generation)
+    rayjob["metadata"]["annotations"] = annotations
+    return rayjob
+
+
+class _BlockDumper(yaml.SafeDumper):
+    """Multi-line strings (the embedded job.yaml) as literal blocks, so the output reads like YAML."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_BlockDumper.add_representer(str, _represent_str)
+
+
+def _plain(value: Any) -> Any:
+    """Deep copy of a kopf body (Mapping views) as plain dicts and lists."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value

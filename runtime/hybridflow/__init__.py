@@ -1,0 +1,6 @@
+"""hybridflow: RL post-training of LLMs, declared as a Kubernetes resource and run on Ray."""
+
+from hybridflow.graph import DataflowGraph, Edge, GraphError, Node
+
+__all__ = ["DataflowGraph", "Edge", "GraphError", "Node"]
+__version__ = "0.1.0"

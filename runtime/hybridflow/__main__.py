@@ -1,0 +1,3 @@
+from hybridflow.cli import main
+
+raise SystemExit(main())

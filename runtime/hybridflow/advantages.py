@@ -1,0 +1,36 @@
+"""From scored rollouts to advantages: the controller's only math, pure on tensors."""
+
+from __future__ import annotations
+
+from hybridflow import algos
+from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.workers.batch import RolloutBatch
+
+
+def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: float) -> dict[str, float]:
+    """Token rewards (score on the last token, minus beta*KL when mode=reward), then GAE or GRPO."""
+    algo = spec.algorithm
+    mask = batch.response_mask.float()
+    scores = batch.tensors["scores"]
+    token_rewards = algos.scores_to_token_rewards(scores, mask)
+    out: dict[str, float] = {}
+    if "ref_log_probs" in batch.tensors:
+        old, ref = batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"]
+        if algo.kl_penalty.mode == "reward":
+            token_rewards, kl = algos.apply_kl_to_rewards(token_rewards, old, ref, mask, kl_coef, algo.kl_penalty.type)
+        else:
+            kl = float(algos.masked_mean(algos.kl_penalty(old, ref, algo.kl_penalty.type), mask))
+        out["kl"] = float(kl)
+    if algo.name == "ppo":
+        adv, ret = algos.compute_gae(token_rewards, batch.tensors["values"], mask, algo.gamma, algo.lam)
+        if algo.normalize_advantages:
+            adv = algos.masked_whiten(adv, mask)
+        batch.tensors["returns"] = ret
+        out["value_mean"] = float(algos.masked_mean(batch.tensors["values"], mask))
+    else:
+        seq = (token_rewards * mask).sum(-1)
+        adv = algos.compute_grpo_advantages(seq, batch.group_ids, normalize_std=algo.normalize_advantages)
+        adv = adv.unsqueeze(-1) * mask
+    batch.tensors["advantages"] = adv
+    out["advantage_abs_mean"] = float(algos.masked_mean(adv.abs(), mask))
+    return out

@@ -1,0 +1,89 @@
+"""Reading an RLTrainingJob from YAML, with every problem reported by field path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from hybridflow.api.spec import RLTrainingJob
+
+
+class SpecError(Exception):
+    """A user error in a job file: `problems` are lines of `field.path: what is wrong (what is allowed)`."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        head = f"{self.source}: {len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}"
+        return "\n".join([head, *(f"  - {p}" for p in self.problems)])
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += ("." if path else "") + str(part)
+    return path or "(document)"
+
+
+def _describe(err: dict[str, Any]) -> str:
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return "unknown field (check the spelling; fields are camelCase)"
+    if kind == "literal_error":
+        return f"got {err.get('input')!r}, allowed: {ctx.get('expected')}"
+    if kind == "missing":
+        return "required field is missing"
+    msg = err["msg"]
+    if kind == "value_error":
+        msg = msg.removeprefix("Value error, ")
+    elif "input" in err and not isinstance(err["input"], dict | list):
+        msg = f"{msg} (got {err['input']!r})"
+    return msg
+
+
+def problems_from(error: ValidationError) -> list[str]:
+    """One line per pydantic error, using the camelCase paths users write."""
+    out = []
+    for err in error.errors():
+        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        out.append(f"{_field_path(loc)}: {_describe(err)}")
+    return out
+
+
+def parse_job(doc: Any, source: str = "<input>") -> RLTrainingJob:
+    """Validate a decoded YAML document; raise SpecError listing every problem."""
+    if not isinstance(doc, dict):
+        raise SpecError(source, [f"(document): expected a mapping with apiVersion/kind/spec, got {type(doc).__name__}"])
+    try:
+        return RLTrainingJob.model_validate(doc)
+    except ValidationError as e:
+        raise SpecError(source, problems_from(e)) from None
+
+
+def load_job(path: str | Path) -> RLTrainingJob:
+    """Read one RLTrainingJob from a YAML file."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(str(p), [f"file not found: {p}"])
+    try:
+        docs = [d for d in yaml.safe_load_all(p.read_text()) if d is not None]
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise SpecError(str(p), [f"(document): malformed YAML: {where}{getattr(e, 'problem', e)}"]) from None
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == "RLTrainingJob"]
+    if len(docs) == 1:
+        return parse_job(docs[0], str(p))
+    if len(jobs) != 1:
+        raise SpecError(str(p), [f"(document): expected exactly one RLTrainingJob, found {len(jobs)}"])
+    return parse_job(jobs[0], str(p))

@@ -1,0 +1,437 @@
+"""The RLTrainingJob spec: the single source of truth for the CRD schema and the runtime config."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from hybridflow.api.base import ApiModel
+
+API_GROUP = "hybridflow.io"
+API_VERSION = "v1alpha1"
+KIND = "RLTrainingJob"
+PLURAL = "rltrainingjobs"
+
+Quantity = Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")]
+DnsLabel = Annotated[str, Field(min_length=1, max_length=40, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
+Role = Literal["actor_rollout", "critic", "reward", "reference"]
+KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
+
+
+def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """One CEL rule for the CRD: the API server enforces it at admission, before the operator sees the job.
+
+    Rules guard fields with has() even where a default fills them: the API server also checks rules
+    against each `default: {}` itself, before nested defaults apply.
+    """
+    out = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
+
+
+def _rules(*rules: dict[str, str]) -> dict[str, Any]:
+    """Schema extras carrying CEL rules (x-kubernetes-validations)."""
+    return {"x-kubernetes-validations": list(rules)}
+
+
+def _immutable(path: str) -> dict[str, Any]:
+    """Transition rule: a running RayCluster ignores changes to these fields, so the API refuses them."""
+    message = f"{path} is immutable once the job has been created; delete and recreate the job"
+    return _rules(_cel("self == oldSelf", message))
+
+
+def _list_keyed_by_name(max_items: int) -> dict[str, Any]:
+    """A list the API server merges and de-duplicates by `name` (server-side apply, per-item oldSelf)."""
+    return {"maxItems": max_items, "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
+
+
+# Bounds on lists that CEL rules iterate, so the API server's cost estimate stays within its budget.
+MAX_WORKER_GROUPS = 16
+MAX_GRAPH_NODES = 64
+MAX_GRAPH_EDGES = 256
+
+
+class KLPenalty(ApiModel):
+    """KL regularisation towards the reference policy."""
+
+    type: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
+    """Estimator of KL(pi || pi_ref) per token."""
+    coef: float = Field(0.001, ge=0.0)
+    """Initial coefficient beta."""
+    mode: Literal["reward", "loss"] = "reward"
+    """`reward` subtracts beta*KL from token rewards (PPO); `loss` adds beta*KL to the actor loss (GRPO)."""
+    adaptive: bool = False
+    """Adapt beta towards targetKl (proportional controller)."""
+    target_kl: float = Field(6.0, gt=0.0)
+    """Target KL for the adaptive controller."""
+    horizon: int = Field(10000, ge=1)
+    """Horizon, in samples, of the adaptive controller."""
+
+
+class Algorithm(ApiModel):
+    """Which RL algorithm and its hyper-parameters."""
+
+    name: Literal["ppo", "grpo"] = "ppo"
+    """`ppo` trains a critic (GAE); `grpo` uses group-normalised rewards and no critic."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    clip_ratio: float = Field(0.2, gt=0.0, lt=1.0)
+    """Lower clip range epsilon; the ratio is clipped to [1-clipRatio, 1+clipRatioHigh]."""
+    clip_ratio_high: float | None = Field(None, gt=0.0, lt=1.0)
+    """Upper clip range (defaults to clipRatio)."""
+    dual_clip_c: float | None = Field(3.0, gt=1.0)
+    """Dual-clip bound for negative advantages; null disables."""
+    value_clip: float | None = Field(0.5, gt=0.0)
+    kl_penalty: KLPenalty = Field(default_factory=KLPenalty)
+    entropy_coef: float = Field(0.0, ge=0.0)
+    ppo_epochs: int = Field(1, ge=1, le=64)
+    mini_batch_size: int | None = Field(None, ge=1)
+    """Sequences per optimiser step; null means the whole batch."""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    normalize_advantages: bool = True
+    """Whiten PPO advantages over the batch; for GRPO, divide by the group std."""
+
+
+class ModelRef(ApiModel):
+    """A causal LM: a local directory, a PVC mount path, or `builtin:tiny`."""
+
+    path: str = Field("builtin:tiny", min_length=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class CriticModel(ApiModel):
+    path: str | None = None
+    """Backbone of the critic; defaults to the policy path."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class ReferenceModel(ApiModel):
+    enabled: bool = True
+    """A frozen copy of the initial policy scores log-probs for the KL penalty."""
+    path: str | None = None
+    """Defaults to the policy path."""
+
+
+class Models(ApiModel):
+    policy: ModelRef = Field(default_factory=ModelRef)
+    critic: CriticModel = Field(default_factory=CriticModel)
+    reference: ReferenceModel = Field(default_factory=ReferenceModel)
+
+
+class RewardModelRef(ApiModel):
+    path: str = Field(min_length=1)
+    """A sequence-classification model directory (num_labels=1)."""
+
+
+class Reward(ApiModel):
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel(
+                "!has(self.type) || self.type != 'model' || has(self.model)",
+                "reward.model.path is required when reward.type is 'model'",
+                ".model",
+            )
+        )
+    )
+
+    type: Literal["function", "model"] = "function"
+    function: str = Field("builtin:tiny_task", pattern=r"^(builtin:[a-z0-9_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+    """`builtin:tiny_task`, `builtin:gsm8k`, or `module:function` importable on the workers."""
+    model: RewardModelRef | None = None
+
+    @model_validator(mode="after")
+    def _model_needs_path(self) -> Reward:
+        if self.type == "model" and self.model is None:
+            raise ValueError("reward.model.path is required when reward.type is 'model'")
+        return self
+
+
+class Data(ApiModel):
+    train: str = Field("builtin:tiny_task", min_length=1)
+    """`builtin:tiny_task`, or a .parquet/.jsonl file (local path or PVC mount)."""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    """Column passed to the reward function as the ground truth."""
+    batch_size: int = Field(16, ge=1, le=65536)
+    """Prompts per training step."""
+    max_prompt_length: int = Field(32, ge=1, le=131072)
+    max_response_length: int = Field(8, ge=1, le=131072)
+    shuffle: bool = True
+
+
+class Rollout(ApiModel):
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel(
+                "!has(self.tensorParallelSize) || self.tensorParallelSize == 1"
+                " || (has(self.engine) && self.engine == 'vllm')",
+                "rollout.tensorParallelSize above 1 needs rollout.engine vllm (torch generate is unsharded)",
+                ".tensorParallelSize",
+            )
+        )
+    )
+
+    engine: Literal["torch", "vllm"] = "torch"
+    """`vllm` needs a GPU and the vllm extra; `torch` runs HF generate anywhere."""
+    samples_per_prompt: int = Field(1, ge=1, le=1024)
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+
+
+class Checkpoint(ApiModel):
+    every: int = Field(0, ge=0)
+    """Save every N steps; 0 disables."""
+    path: str = "./checkpoints"
+    keep: int = Field(2, ge=1)
+
+
+class Trainer(ApiModel):
+    total_steps: int = Field(20, ge=1, le=10_000_000)
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    resume: Literal["auto", "never"] = "auto"
+    seed: int = 0
+    actor_lr: float = Field(1e-5, gt=0.0)
+    critic_lr: float = Field(1e-5, gt=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    worker_max_restarts: int = Field(3, ge=0)
+    """Ray restarts a dead worker or controller up to this many times."""
+
+
+class GraphNode(ApiModel):
+    name: DnsLabel
+    role: Role
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Per instance, e.g. {GPU: 1, CPU: 1}; fractional GPUs share a device."""
+    parallelism: int = Field(1, ge=1, le=4096)
+    pool: DnsLabel = "default"
+    """Resource pool: the KubeRay worker group this node's instances run on."""
+
+
+class GraphEdge(ApiModel):
+    src: DnsLabel
+    dst: DnsLabel
+    data_type: str = Field("batch", min_length=1)
+    control: bool = False
+    co_locate: bool = False
+    max_size_bytes: int | None = Field(None, ge=1)
+    consistency: Literal["strong", "eventual"] = "strong"
+
+
+class Graph(ApiModel):
+    """Override of the built-in dataflow graph of the algorithm."""
+
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel(
+                "!has(self.edges) || self.edges.all(e, self.nodes.exists(n, n.name == e.src)"
+                " && self.nodes.exists(n, n.name == e.dst))",
+                "every graph edge's src and dst must name a node in graph.nodes",
+                ".edges",
+            )
+        )
+    )
+
+    nodes: list[GraphNode] = Field(
+        min_length=1,
+        json_schema_extra=_list_keyed_by_name(MAX_GRAPH_NODES),
+    )
+    edges: list[GraphEdge] = Field(default_factory=list, json_schema_extra={"maxItems": MAX_GRAPH_EDGES})
+
+
+class Scheduling(ApiModel):
+    placement_timeout_seconds: float = Field(120.0, gt=0.0, le=86400.0)
+    """Fail with the missing resources when placement groups are not ready in time."""
+    queue_high_watermark: int = Field(100, ge=1)
+    backpressure: bool = True
+    backpressure_window: int = Field(3, ge=1)
+    """Consecutive observations above the watermark before parallelism is changed."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Sequences per rollout task: smaller tasks stream to downstream nodes sooner; null = one per actor instance."""
+
+
+class NcclSettings(ApiModel):
+    socket_ifname: str | None = None
+    ib_hca: str | None = None
+    ib_disable: bool | None = None
+    debug: Literal["WARN", "INFO", "TRACE"] | None = None
+
+
+class Toleration(ApiModel):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class WorkerGroup(ApiModel):
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel(
+                "!has(self.minReplicas) || self.minReplicas <= self.replicas",
+                "minReplicas must be at most replicas",
+                ".minReplicas",
+            ),
+            _cel(
+                "!has(self.maxReplicas) || self.replicas <= self.maxReplicas",
+                "replicas must be at most maxReplicas",
+                ".replicas",
+            ),
+            _cel(
+                "self.gpusPerWorker == oldSelf.gpusPerWorker && self.cpusPerWorker == oldSelf.cpusPerWorker"
+                " && self.memory == oldSelf.memory",
+                "a worker group's gpusPerWorker, cpusPerWorker and memory are immutable once the job has been"
+                " created; only replicas, minReplicas and maxReplicas may change",
+            ),
+        )
+    )
+
+    name: DnsLabel
+    """Matches a graph pool name."""
+    replicas: int = Field(1, ge=0, le=10000)
+    min_replicas: int | None = Field(None, ge=0)
+    max_replicas: int | None = Field(None, ge=0)
+    gpus_per_worker: int = Field(8, ge=0, le=16)
+    cpus_per_worker: int = Field(32, ge=1, le=1024)
+    memory: Quantity = "512Gi"
+
+
+class Cluster(ApiModel):
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel(
+                "has(self.image) == has(oldSelf.image) && (!has(self.image) || self.image == oldSelf.image)",
+                "spec.cluster.image is immutable once the job has been created; delete and recreate the job",
+                ".image",
+            ),
+            _cel(
+                "(has(self.workerGroups) ? size(self.workerGroups) : 0)"
+                " == (has(oldSelf.workerGroups) ? size(oldSelf.workerGroups) : 0)"
+                " && (!has(self.workerGroups) || self.workerGroups.all(g, has(oldSelf.workerGroups)"
+                " && oldSelf.workerGroups.exists(o, o.name == g.name)))",
+                "spec.cluster.workerGroups cannot be added, removed or renamed once the job has been created;"
+                " change their replicas instead",
+                ".workerGroups",
+            ),
+        )
+    )
+
+    gpu_type: str = Field(
+        "A100-80GB",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9-]*$",
+        max_length=40,
+        json_schema_extra=_immutable("spec.cluster.gpuType"),
+    )
+    """Accelerator family (A100-80GB, A100-40GB, H100-80GB, ...); mapped to nvidia.com/gpu.product values."""
+    image: str | None = None
+    """Runtime image; the operator's default when empty."""
+    ray_version: str = "2.60.0"
+    head_cpus: int = Field(8, ge=1)
+    head_memory: Quantity = "32Gi"
+    worker_groups: list[WorkerGroup] = Field(
+        default_factory=list,
+        json_schema_extra=_list_keyed_by_name(MAX_WORKER_GROUPS),
+    )
+    """One per graph pool; derived from the graph when empty."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    shm_size: Quantity = "64Gi"
+    nccl: NcclSettings = Field(default_factory=NcclSettings)
+    queue_name: str | None = None
+    """Kueue LocalQueue; sets the kueue.x-k8s.io/queue-name label."""
+    submission_mode: Literal["K8sJobMode", "HTTPMode"] = "K8sJobMode"
+
+
+class RunPolicy(ApiModel):
+    suspend: bool = False
+    backoff_limit: int = Field(0, ge=0, le=100)
+    active_deadline_seconds: int | None = Field(None, ge=1)
+    ttl_seconds_after_finished: int = Field(3600, ge=0)
+
+
+class RLTrainingJobSpec(ApiModel):
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel(
+                "!has(self.algorithm) || !has(self.rollout)"
+                " || self.algorithm.name != 'grpo' || self.rollout.samplesPerPrompt >= 2",
+                "rollout.samplesPerPrompt must be at least 2 for grpo (advantages are per group)",
+                ".rollout.samplesPerPrompt",
+            ),
+            _cel(
+                "!has(self.algorithm) || !has(self.data) || !has(self.rollout)"
+                " || !has(self.algorithm.miniBatchSize)"
+                " || self.algorithm.miniBatchSize <= self.data.batchSize * self.rollout.samplesPerPrompt",
+                "algorithm.miniBatchSize must be at most data.batchSize * rollout.samplesPerPrompt",
+                ".algorithm.miniBatchSize",
+            ),
+            _cel(
+                "!has(self.rollout) || !has(self.cluster) || self.rollout.engine != 'vllm'"
+                " || !has(self.cluster.workerGroups)"
+                " || size(self.cluster.workerGroups) == 0"
+                " || self.cluster.workerGroups.exists(g, g.gpusPerWorker >= self.rollout.tensorParallelSize)",
+                "rollout.engine vllm runs on GPUs: at least one of cluster.workerGroups needs"
+                " gpusPerWorker >= rollout.tensorParallelSize",
+                ".rollout.engine",
+            ),
+            _cel(
+                "!has(self.graph) || !has(self.cluster) || !has(self.cluster.workerGroups)"
+                " || size(self.cluster.workerGroups) == 0"
+                " || self.graph.nodes.all(n, self.cluster.workerGroups.exists(g, g.name == n.pool))",
+                "every graph node's pool must name one of cluster.workerGroups"
+                " (or leave workerGroups empty to derive them from the graph)",
+                ".graph.nodes",
+            ),
+            _cel(
+                "has(self.graph) == has(oldSelf.graph) && (!has(self.graph) || self.graph == oldSelf.graph)",
+                "spec.graph is immutable once the job has been created; delete and recreate the job",
+                ".graph",
+            ),
+        )
+    )
+
+    algorithm: Algorithm = Field(default_factory=Algorithm, json_schema_extra=_immutable("spec.algorithm"))
+    model: Models = Field(default_factory=Models, json_schema_extra=_immutable("spec.model"))
+    reward: Reward = Field(default_factory=Reward, json_schema_extra=_immutable("spec.reward"))
+    data: Data = Field(default_factory=Data, json_schema_extra=_immutable("spec.data"))
+    rollout: Rollout = Field(default_factory=Rollout)
+    trainer: Trainer = Field(default_factory=Trainer)
+    graph: Graph | None = None
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    cluster: Cluster = Field(default_factory=Cluster)
+    run_policy: RunPolicy = Field(default_factory=RunPolicy)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> RLTrainingJobSpec:
+        if self.algorithm.name == "grpo" and self.rollout.samples_per_prompt < 2:
+            raise ValueError("rollout.samplesPerPrompt must be at least 2 for grpo (advantages are per group)")
+        mbs = self.algorithm.mini_batch_size
+        total = self.data.batch_size * self.rollout.samples_per_prompt
+        if mbs is not None and mbs > total:
+            raise ValueError(
+                f"algorithm.miniBatchSize ({mbs}) must be at most data.batchSize * rollout.samplesPerPrompt ({total})"
+            )
+        return self
+
+
+class ObjectMeta(ApiModel):
+    model_config = ApiModel.model_config | {"extra": "allow"}
+
+    name: str = Field("local", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class RLTrainingJob(ApiModel):
+    """The whole object as `kubectl apply` takes it; `status` is ignored when read from a file."""
+
+    api_version: Literal["hybridflow.io/v1alpha1"] = "hybridflow.io/v1alpha1"
+    kind: Literal["RLTrainingJob"] = "RLTrainingJob"
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: RLTrainingJobSpec = Field(default_factory=RLTrainingJobSpec)
+    status: dict | None = Field(None, exclude=True)

@@ -1,0 +1,50 @@
+"""Checkpoint directories: written aside and renamed into place, so a directory that exists is complete."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def staging_dir(root: str | Path, step: int) -> Path:
+    """A fresh hidden directory beside the final one; never mistaken for a complete checkpoint."""
+    path = Path(root) / f".tmp-step_{step:08d}-{uuid.uuid4().hex[:8]}"
+    path.mkdir(parents=True)
+    return path
+
+
+def commit(staging: Path, root: str | Path, step: int) -> Path:
+    """Atomic publish: rename(2) of the staged directory onto step_N."""
+    final = step_dir(root, step)
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    return final
+
+
+def complete_steps(root: str | Path) -> list[int]:
+    path = Path(root)
+    if not path.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in path.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name)))
+
+
+def latest(root: str | Path) -> tuple[int, Path] | None:
+    steps = complete_steps(root)
+    return (steps[-1], step_dir(root, steps[-1])) if steps else None
+
+
+def prune(root: str | Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints and drop abandoned staging directories."""
+    for step in complete_steps(root)[:-keep]:
+        shutil.rmtree(step_dir(root, step), ignore_errors=True)
+    for p in Path(root).glob(".tmp-step_*"):
+        shutil.rmtree(p, ignore_errors=True)

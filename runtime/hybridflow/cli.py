@@ -1,0 +1,183 @@
+"""hybridflow run | train | validate | render."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hybridflow.api import RLTrainingJob, SpecError, load_job
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    bad = 0
+    for path in args.files:
+        try:
+            job = load_job(path)
+        except SpecError as e:
+            print(e.render(), file=sys.stderr)
+            bad += 1
+            continue
+        problems = _graph_problems(job)
+        if problems:
+            print(SpecError(path, problems).render(), file=sys.stderr)
+            bad += 1
+        else:
+            print(f"{path}: valid {job.spec.algorithm.name} job {job.metadata.name!r}")
+    return 1 if bad else 0
+
+
+def _graph_problems(job: RLTrainingJob) -> list[str]:
+    from hybridflow.graph import GraphError, graph_for
+
+    try:
+        graph_for(job.spec, "GPU")
+    except GraphError as e:
+        return [f"spec.graph: {p}" for p in e.problems]
+    return []
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    try:
+        job = load_job(args.file)
+    except SpecError as e:
+        print(e.render(), file=sys.stderr)
+        return 1
+    from hybridflow_operator.render import RenderError, render_manifests
+
+    from hybridflow_operator.settings import OperatorSettings
+
+    try:
+        sys.stdout.write(render_manifests(job, OperatorSettings.from_env()))
+    except RenderError as e:
+        return _fail(str(e))
+    return 0
+
+
+def _train(args: argparse.Namespace, config: str, local: bool) -> int:
+    try:
+        job = load_job(config)
+    except SpecError as e:
+        print(e.render(), file=sys.stderr)
+        return 1
+    if getattr(args, "steps", None):
+        job.spec.trainer.total_steps = args.steps
+    from hybridflow.controller import TrainingFailed, init_ray, run_training
+    from hybridflow.preflight import preflight
+
+    init_ray(local, getattr(args, "num_cpus", None))
+    import ray
+
+    accelerator = "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
+    problems = preflight(job.spec, accelerator)
+    if problems:
+        print(SpecError(config, problems).render(), file=sys.stderr)
+        return 1
+    metrics_out = args.metrics_out or str(Path("runs") / job.metadata.name / "metrics.jsonl")
+    bar = _ProgressBar(job.spec.trainer.total_steps, enabled=not args.quiet)
+    t0 = time.perf_counter()
+    try:
+        result = run_training(job, metrics_out, bar.update)
+    except TrainingFailed as e:
+        bar.close()
+        return _fail(str(e))
+    except Exception as e:  # placement and other plan errors carry their own message
+        bar.close()
+        from hybridflow.controller import _cause
+
+        return _fail(_cause(e))
+    bar.close()
+    _summarise(result, metrics_out, time.perf_counter() - t0)
+    return 0
+
+
+class _ProgressBar:
+    """tqdm with the live reward in the postfix."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, disable=not enabled)
+
+    def update(self, progress: dict[str, Any]) -> None:
+        step = int(progress.get("step", 0))
+        if step > self.bar.n:
+            self.bar.update(step - self.bar.n)
+        elif step < self.bar.n:  # rolled back to a checkpoint
+            self.bar.reset(total=self.bar.total)
+            self.bar.update(step)
+        post = {k: f"{progress[k]:.3f}" for k in ("reward_mean", "kl") if progress.get(k) is not None}
+        if post:
+            self.bar.set_postfix(post, refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _summarise(result: dict[str, Any], metrics_out: str, seconds: float) -> None:
+    recs = result["records"]
+    if not recs:
+        print(f"nothing to do: already at step {result['steps']}")
+        return
+    first, last = recs[0], recs[-1]
+    window = recs[-5:]
+    end_reward = sum(r["reward_mean"] for r in window) / len(window)
+    print(json.dumps({
+        "steps": result["steps"], "wall_s": round(seconds, 1),
+        "reward_start": round(first["reward_mean"], 4), "reward_end": round(end_reward, 4),
+        "reward_last": round(last["reward_mean"], 4), "metrics": metrics_out, "plot": result["plot"],
+        "recoveries": result["recoveries"],
+    }))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    return _train(args, args.file, local=True)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    return _train(args, args.config, local=args.local)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridflow", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train locally on in-process Ray (the embedded default)")
+    run.add_argument("file")
+    run.add_argument("--metrics-out")
+    run.add_argument("--steps", type=int, help="override spec.trainer.totalSteps")
+    run.add_argument("--num-cpus", type=int, help="logical CPUs for local Ray")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(fn=cmd_run)
+    train = sub.add_parser("train", help="the cluster entrypoint: join the running Ray cluster")
+    train.add_argument("--config", required=True)
+    train.add_argument("--metrics-out")
+    train.add_argument("--local", action="store_true", help="start Ray in-process instead of joining one")
+    train.add_argument("--quiet", action="store_true")
+    train.set_defaults(fn=cmd_train)
+    val = sub.add_parser("validate", help="check job files; every problem with its field path")
+    val.add_argument("files", nargs="+")
+    val.set_defaults(fn=cmd_validate)
+    ren = sub.add_parser("render", help="print the manifests the operator would create")
+    ren.add_argument("file")
+    ren.set_defaults(fn=cmd_render)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.fn(args))
+    except KeyboardInterrupt:
+        return _fail("interrupted")

@@ -1,0 +1,106 @@
+"""The driver side: start or join Ray, run the Trainer as a restartable Ray actor, show progress."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from hybridflow.api.spec import RLTrainingJob
+from hybridflow.trainer import Trainer
+
+log = logging.getLogger(__name__)
+ProgressFn = Callable[[dict[str, Any]], None]
+
+
+class TrainingFailed(RuntimeError):
+    """The run could not finish; the message says why (no traceback for the user)."""
+
+
+def init_ray(local: bool, num_cpus: int | None = None) -> None:
+    """Local runs start Ray in-process with enough logical CPUs for every role; cluster runs join it."""
+    if ray.is_initialized():
+        return
+    if local:
+        cpus = num_cpus or max(8, os.cpu_count() or 1)
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
+                 runtime_env={"env_vars": {"HYBRIDFLOW_TORCH_THREADS": os.environ.get("HYBRIDFLOW_TORCH_THREADS", "1"),
+                                           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+    else:
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), configure_logging=False)
+
+
+def run_training(job: RLTrainingJob, metrics_out: str | None, on_progress: ProgressFn | None = None,
+                 poll_s: float = 0.5, parallelism: int = 1, critic_parallelism: int | None = None) -> dict[str, Any]:
+    """Create the controller actor (max_restarts from the spec) and drive it to the end.
+
+    When the controller's process dies, Ray restarts it; `fit` is called again and resumes from the newest
+    checkpoint. It asks for a CPU so it is never placed on a head node started with num-cpus 0.
+    """
+    restarts = job.spec.trainer.worker_max_restarts
+    controller_cls = ray.remote(Trainer)
+    ctrl = controller_cls.options(
+        name=f"hybridflow-controller-{job.metadata.name}-{uuid.uuid4().hex[:6]}", num_cpus=1,
+        max_restarts=restarts, max_task_retries=0, max_concurrency=2,
+    ).remote(job.model_dump(by_alias=True, mode="json"), metrics_out, "auto", parallelism, critic_parallelism)
+    attempts = 0
+    try:
+        while True:
+            done = ctrl.fit.remote()
+            try:
+                return _wait(ctrl, done, on_progress, poll_s)
+            except ray.exceptions.RayActorError as e:
+                attempts += 1
+                if attempts > restarts:
+                    raise TrainingFailed(f"the controller died {attempts} times: {_cause(e)}") from None
+                log.warning("controller process lost (%s); Ray restarts it and it resumes from the newest "
+                            "checkpoint (%d/%d)", _cause(e), attempts, restarts)
+                _wait_alive(ctrl, timeout_s=120)
+            except ray.exceptions.RayTaskError as e:
+                raise TrainingFailed(_cause(e)) from None
+    finally:
+        try:
+            ray.get(ctrl.shutdown.remote(), timeout=60)
+        except Exception:  # already gone; Ray reclaims what it owned
+            pass
+        ray.kill(ctrl, no_restart=True)
+
+
+def _wait(ctrl: Any, done: ray.ObjectRef, on_progress: ProgressFn | None, poll_s: float) -> dict[str, Any]:
+    while True:
+        ready, _ = ray.wait([done], timeout=poll_s)
+        if ready:
+            result = ray.get(done)
+            if on_progress:
+                on_progress({"step": result["steps"], **(result["records"][-1] if result["records"] else {})})
+            return result
+        if on_progress:
+            try:
+                on_progress(ray.get(ctrl.progress.remote(), timeout=poll_s * 4))
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                pass
+
+
+def _wait_alive(ctrl: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(ctrl.progress.remote(), timeout=5)
+            return
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            time.sleep(0.5)
+    raise TrainingFailed(f"the controller did not come back within {timeout_s:.0f}s")
+
+
+def _cause(e: BaseException) -> str:
+    """The innermost message of a Ray error, without Ray's traceback framing."""
+    inner = getattr(e, "cause", None) or e.__cause__
+    if inner is not None and inner is not e:
+        return _cause(inner)
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__

@@ -1,0 +1,1 @@
+"""Built-in datasets, the tiny model and task."""

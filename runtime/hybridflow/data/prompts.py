@@ -1,0 +1,86 @@
+"""Prompt datasets: the built-in task, parquet or JSONL files; a resumable shuffled sampler."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridflow.data.tiny import TINY_TASK, tiny_task_rows
+
+TINY_TASK_SIZE = 1000
+
+
+class DataError(ValueError):
+    """A data source that cannot be read; the message names spec.data.train."""
+
+
+def load_rows(source: str, prompt_key: str, answer_key: str, seed: int = 0) -> list[dict[str, str]]:
+    """Rows with `prompt` and `answer` (answer may be empty) from a builtin, .parquet or .jsonl source."""
+    if source == TINY_TASK:
+        return tiny_task_rows(TINY_TASK_SIZE, seed)
+    if source.startswith("builtin:"):
+        raise DataError(f"spec.data.train: unknown built-in dataset {source!r}, allowed: {TINY_TASK}")
+    path = Path(source)
+    if not path.is_file():
+        raise DataError(f"spec.data.train: file not found: {source}")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        records = pq.read_table(path).to_pylist()
+    elif path.suffix in (".jsonl", ".json"):
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        raise DataError(f"spec.data.train: unsupported file type {path.suffix!r}, allowed: .parquet, .jsonl")
+    if not records:
+        raise DataError(f"spec.data.train: {source} has no rows")
+    if prompt_key not in records[0]:
+        raise DataError(f"spec.data.promptKey: column {prompt_key!r} not in {source} (has {sorted(records[0])})")
+    return [{"prompt": _as_text(r[prompt_key]), "answer": str(r.get(answer_key, "") or "")} for r in records]
+
+
+def _as_text(value: object) -> str:
+    """Chat-style prompts (a list of {role, content}) are joined; plain strings pass through."""
+    if isinstance(value, list):
+        return "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in value)
+    return str(value)
+
+
+@dataclass
+class PromptSampler:
+    """Epoch-shuffled batches; `state_dict` makes a resumed run draw exactly the same prompts."""
+
+    rows: list[dict[str, str]]
+    batch_size: int
+    seed: int = 0
+    shuffle: bool = True
+    epoch: int = 0
+    position: int = 0
+    _order: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._reorder()
+
+    def _reorder(self) -> None:
+        self._order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(self._order)
+
+    def next_batch(self) -> list[dict[str, str]]:
+        out = []
+        while len(out) < self.batch_size:
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._reorder()
+            out.append(self.rows[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._reorder()

@@ -1,0 +1,325 @@
+"""The dataflow DSL: nodes are worker roles, edges carry data (or, for control edges, close the loop).
+
+Pure Python: the operator renders worker groups from the same graph the runtime schedules.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hybridflow.api.spec import Graph as GraphSpec
+from hybridflow.api.spec import GraphEdge, GraphNode, RLTrainingJobSpec
+
+ROLES = ("actor_rollout", "critic", "reward", "reference")
+
+
+class GraphError(ValueError):
+    """An invalid graph or an unsatisfiable plan; `problems` lists each one."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+@dataclass(eq=False)
+class Node:
+    name: str
+    role: str
+    resources: dict[str, float] = field(default_factory=dict)
+    parallelism: int = 1
+    pool: str = "default"
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    @property
+    def gpus(self) -> float:
+        return float(self.resources.get("GPU", 0.0))
+
+
+@dataclass(eq=False)
+class Edge:
+    src: Node | str
+    dst: Node | str
+    data_type: str = "batch"
+    control: bool = False
+    co_locate: bool = False
+    max_size_bytes: int | None = None
+    consistency: Literal["strong", "eventual"] = "strong"
+
+    @property
+    def src_name(self) -> str:
+        return self.src if isinstance(self.src, str) else self.src.name
+
+    @property
+    def dst_name(self) -> str:
+        return self.dst if isinstance(self.dst, str) else self.dst.name
+
+    @property
+    def key(self) -> str:
+        return f"{self.src_name}->{self.dst_name}"
+
+
+@dataclass(frozen=True)
+class ColocationGroup:
+    """Nodes whose instance i share one placement bundle; `bundle` is the summed per-instance demand."""
+
+    nodes: tuple[Node, ...]
+    bundle: Mapping[str, float]
+    parallelism: int
+    pool: str
+
+
+class DataflowGraph:
+    """A named set of nodes and edges; `validate()` checks structure, `check_capacity()` a cluster."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._nodes: dict[str, Node] = {}
+        self._edges: list[Edge] = []
+        self._duplicates: list[str] = []
+
+    def node(self, node: Node) -> Node:
+        if node.name in self._nodes:
+            self._duplicates.append(node.name)
+        else:
+            self._nodes[node.name] = node
+        return node
+
+    def edge(self, edge: Edge) -> Edge:
+        self._edges.append(edge)
+        return edge
+
+    @property
+    def nodes(self) -> list[Node]:
+        return list(self._nodes.values())
+
+    @property
+    def edges(self) -> list[Edge]:
+        return list(self._edges)
+
+    def get(self, name: str) -> Node:
+        return self._nodes[name]
+
+    def by_role(self, role: str) -> list[Node]:
+        return [n for n in self._nodes.values() if n.role == role]
+
+    def first(self, role: str) -> Node | None:
+        found = self.by_role(role)
+        return found[0] if found else None
+
+    def data_edges(self) -> list[Edge]:
+        return [e for e in self._edges if not e.control]
+
+    # -- validation -------------------------------------------------------------------------------
+
+    def validate(self) -> DataflowGraph:
+        """Raise GraphError listing every structural problem; return self when valid."""
+        problems = [f"duplicate node name {d!r}" for d in self._duplicates]
+        for n in self._nodes.values():
+            if n.role not in ROLES:
+                problems.append(f"node {n.name!r}: unknown role {n.role!r}, allowed: {', '.join(ROLES)}")
+            if n.parallelism < 1:
+                problems.append(f"node {n.name!r}: parallelism must be >= 1")
+            for res, amount in n.resources.items():
+                if amount < 0:
+                    problems.append(f"node {n.name!r}: resource {res} must be >= 0")
+                elif amount > 1 and not float(amount).is_integer():
+                    problems.append(f"node {n.name!r}: resource {res}={amount}: above 1 it must be whole")
+        for e in self._edges:
+            for end in (e.src_name, e.dst_name):
+                if end not in self._nodes:
+                    problems.append(f"edge {e.key}: unknown node {end!r}")
+            if e.consistency not in ("strong", "eventual"):
+                problems.append(f"edge {e.key}: consistency must be 'strong' or 'eventual'")
+        if not problems:
+            problems += self._cycle_problems()
+            problems += self._colocation_problems()
+        if problems:
+            raise GraphError(problems)
+        return self
+
+    def _cycle_problems(self) -> list[str]:
+        try:
+            self.topo_order()
+        except GraphError as e:
+            return e.problems
+        return []
+
+    def topo_order(self) -> list[Node]:
+        """Nodes in data order; control edges are the only legal way back."""
+        indeg = {n: 0 for n in self._nodes}
+        for e in self.data_edges():
+            indeg[e.dst_name] += 1
+        ready = [n for n, d in indeg.items() if d == 0]
+        order: list[str] = []
+        while ready:
+            cur = ready.pop(0)
+            order.append(cur)
+            for e in self.data_edges():
+                if e.src_name == cur:
+                    indeg[e.dst_name] -= 1
+                    if indeg[e.dst_name] == 0:
+                        ready.append(e.dst_name)
+        if len(order) != len(self._nodes):
+            stuck = sorted(n for n in self._nodes if n not in order)
+            raise GraphError([f"cycle through {', '.join(stuck)} is not closed by a control edge"])
+        return [self._nodes[n] for n in order]
+
+    def colocation_groups(self) -> list[ColocationGroup]:
+        """Union of co_locate edges; every node ends up in exactly one group (often alone)."""
+        parent = {n: n for n in self._nodes}
+
+        def find(x: str) -> str:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for e in self._edges:
+            if e.co_locate and e.src_name in parent and e.dst_name in parent:
+                parent[find(e.src_name)] = find(e.dst_name)
+        members: dict[str, list[Node]] = {}
+        for name, node in self._nodes.items():
+            members.setdefault(find(name), []).append(node)
+        groups = []
+        for nodes in members.values():
+            bundle: dict[str, float] = {}
+            for n in nodes:
+                for res, amount in n.resources.items():
+                    bundle[res] = bundle.get(res, 0.0) + amount
+            groups.append(
+                ColocationGroup(
+                    nodes=tuple(nodes),
+                    bundle={k: v for k, v in bundle.items() if v > 0},
+                    parallelism=max(n.parallelism for n in nodes),
+                    pool=nodes[0].pool,
+                )
+            )
+        return groups
+
+    def _colocation_problems(self) -> list[str]:
+        problems = []
+        for g in self.colocation_groups():
+            if len(g.nodes) < 2:
+                continue
+            names = " and ".join(n.name for n in g.nodes)
+            pars = {n.parallelism for n in g.nodes}
+            if len(pars) > 1:
+                problems.append(f"co-located {names} must have the same parallelism, got {sorted(pars)}")
+            pools = {n.pool for n in g.nodes}
+            if len(pools) > 1:
+                problems.append(f"co-located {names} must be in one pool, got {sorted(pools)}")
+            for res, amount in g.bundle.items():
+                if amount > 1 and not math.isclose(amount, round(amount)):
+                    problems.append(
+                        f"co-located {names} cannot share a bundle: together they need {res}={amount:g}; "
+                        f"a shared bundle holds at most 1 {res} in fractions or a whole number"
+                    )
+        return problems
+
+    def check_capacity(self, capacity: Mapping[str, float], per_node_max: Mapping[str, float] | None = None) -> None:
+        """Raise GraphError naming what is missing when the plan exceeds `capacity` (cluster totals)."""
+        need: dict[str, float] = {}
+        problems = []
+        for g in self.colocation_groups():
+            for res, amount in g.bundle.items():
+                need[res] = need.get(res, 0.0) + amount * g.parallelism
+                if per_node_max is not None and amount > per_node_max.get(res, 0.0) + 1e-9:
+                    names = ", ".join(n.name for n in g.nodes)
+                    problems.append(
+                        f"{names}: one instance needs {res}={amount:g} but no node has more than "
+                        f"{per_node_max.get(res, 0.0):g}"
+                    )
+        for res, amount in sorted(need.items()):
+            have = capacity.get(res, 0.0)
+            if amount > have + 1e-9:
+                problems.append(f"the plan needs {res}={amount:g} but the cluster has {have:g} (missing {amount - have:g})")
+        if problems:
+            raise GraphError(problems)
+
+    def pool_demand(self) -> dict[str, dict[str, float]]:
+        """Total resources each pool needs: the operator sizes worker groups from this.
+
+        GPUs count whole devices: bundles of b <= 1 GPU pack floor(1/b) to a device, so n of them need
+        ceil(n / floor(1/b)) GPUs.
+        """
+        out: dict[str, dict[str, float]] = {}
+        for g in self.colocation_groups():
+            pool = out.setdefault(g.pool, {})
+            for res, amount in g.bundle.items():
+                pool[res] = pool.get(res, 0.0) + devices_needed(amount, g.parallelism, res)
+        return out
+
+    # -- conversion -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_spec(cls, spec: GraphSpec, name: str = "custom") -> DataflowGraph:
+        g = cls(name)
+        for n in spec.nodes:
+            g.node(Node(n.name, n.role, dict(n.resources), n.parallelism, n.pool))
+        for e in spec.edges:
+            g.edge(Edge(e.src, e.dst, e.data_type, e.control, e.co_locate, e.max_size_bytes, e.consistency))
+        return g
+
+    def to_spec(self) -> GraphSpec:
+        return GraphSpec(
+            nodes=[GraphNode(name=n.name, role=n.role, resources=n.resources, parallelism=n.parallelism, pool=n.pool)
+                   for n in self.nodes],
+            edges=[
+                GraphEdge(src=e.src_name, dst=e.dst_name, data_type=e.data_type, control=e.control,
+                          co_locate=e.co_locate, max_size_bytes=e.max_size_bytes, consistency=e.consistency)
+                for e in self._edges
+            ],
+        )
+
+
+def devices_needed(per_instance: float, instances: int, resource: str = "GPU") -> float:
+    """GPUs are indivisible across bundles: ceil(n / floor(1/b)) for b < 1, else b*n."""
+    if resource != "GPU" or per_instance >= 1 or per_instance <= 0:
+        return per_instance * instances
+    return float(math.ceil(instances / math.floor(1 / per_instance + 1e-9)))
+
+
+def _add_loop(g: DataflowGraph, actor: Node, consumers: Iterable[Node], trainer: Node) -> None:
+    for c in consumers:
+        g.edge(Edge(actor, c, data_type="rollout_batch", co_locate=c.pool == actor.pool and c.role != "critic",
+                    max_size_bytes=10_000_000))
+    g.edge(Edge(trainer, actor, data_type="updated_policy", control=True, consistency="strong"))
+
+
+def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = "GPU",
+                  parallelism: int = 1, critic_parallelism: int | None = None) -> DataflowGraph:
+    """The PPO or GRPO graph: actor_rollout, reference and reward share bundles; the critic has its own pool.
+
+    On GPUs each actor bundle is one GPU split 0.5/0.25/0.25 between actor, reference and reward.
+    """
+    algo = spec.algorithm.name
+    g = DataflowGraph(algo)
+    gpu = accelerator == "GPU"
+    model_reward = spec.reward.type == "model"
+    actor = g.node(Node("actor_rollout", "actor_rollout", {"GPU": 0.5} if gpu else {"CPU": 1}, parallelism, "actor"))
+    consumers: list[Node] = []
+    reward_res = {"GPU": 0.25} if gpu and model_reward else {}
+    consumers.append(g.node(Node("reward_score", "reward", reward_res, parallelism, "actor")))
+    if spec.model.reference.enabled and spec.algorithm.kl_penalty.coef > 0:
+        consumers.append(g.node(Node("reference", "reference", {"GPU": 0.25} if gpu else {}, parallelism, "actor")))
+    trainer = actor
+    if algo == "ppo":
+        cpar = critic_parallelism or parallelism
+        critic = g.node(Node("critic", "critic", {"GPU": 1} if gpu else {"CPU": 1}, cpar, "critic" if gpu else "actor"))
+        consumers.append(critic)
+        trainer = critic
+    _add_loop(g, actor, consumers, trainer)
+    return g
+
+
+def graph_for(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = "GPU",
+              parallelism: int = 1, critic_parallelism: int | None = None) -> DataflowGraph:
+    """spec.graph when given, else the built-in graph; always validated."""
+    if spec.graph is not None:
+        return DataflowGraph.from_spec(spec.graph, name=f"{spec.algorithm.name}-custom").validate()
+    return builtin_graph(spec, accelerator, parallelism, critic_parallelism).validate()

@@ -1,0 +1,43 @@
+"""Checks that need the filesystem or Python imports, run in the driver before any worker starts,
+so a wrong path or reward function is one clear message instead of a dead Ray actor."""
+
+from __future__ import annotations
+
+from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.data.prompts import DataError, load_rows
+from hybridflow.graph import GraphError, graph_for
+from hybridflow.workers.modeling import ModelPathError, check_model_dir
+from hybridflow.workers.reward import RewardFunctionError, resolve_reward_function
+
+
+def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
+    """Every problem found, each naming its spec field; empty when the job can start."""
+    problems: list[str] = []
+    models = [(spec.model.policy.path, "spec.model.policy.path")]
+    if spec.algorithm.name == "ppo" and spec.model.critic.path:
+        models.append((spec.model.critic.path, "spec.model.critic.path"))
+    if spec.model.reference.enabled and spec.model.reference.path:
+        models.append((spec.model.reference.path, "spec.model.reference.path"))
+    if spec.reward.type == "model" and spec.reward.model is not None:
+        models.append((spec.reward.model.path, "spec.reward.model.path"))
+    for path, field in models:
+        try:
+            check_model_dir(path, field)
+        except ModelPathError as e:
+            problems.append(str(e))
+    if spec.reward.type == "function":
+        try:
+            resolve_reward_function(spec.reward.function)
+        except RewardFunctionError as e:
+            problems.append(str(e))
+    try:
+        load_rows(spec.data.train, spec.data.prompt_key, spec.data.answer_key, spec.trainer.seed)
+    except DataError as e:
+        problems.append(str(e))
+    try:
+        graph_for(spec, "GPU" if accelerator == "GPU" else "CPU")
+    except GraphError as e:
+        problems += [f"spec.graph: {p}" for p in e.problems]
+    if spec.rollout.engine == "vllm" and accelerator != "GPU":
+        problems.append("spec.rollout.engine: 'vllm' needs a GPU; use 'torch' on CPU-only machines")
+    return problems

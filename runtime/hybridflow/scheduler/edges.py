@@ -1,0 +1,138 @@
+"""Edge queues: the object refs in flight on each data edge, and how long they took to arrive.
+
+LatencyStats is pure; EdgeChannel is the thin Ray layer (ray.wait / ray.get) over it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest rank: sorted(samples)[ceil(q/100 * n) - 1]; 0.0 for no samples."""
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+class LatencyStats:
+    """count and mean over every sample; p95 over the last `window` so it follows the current load."""
+
+    def __init__(self, window: int = 1024) -> None:
+        self.count = 0
+        self.total_s = 0.0
+        self.max_s = 0.0
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+        self.max_s = max(self.max_s, seconds)
+        self._recent.append(seconds)
+
+    @property
+    def mean_s(self) -> float:
+        return self.total_s / self.count if self.count else 0.0
+
+    @property
+    def p95_s(self) -> float:
+        return percentile(list(self._recent), 95.0)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"count": self.count, "mean_s": self.mean_s, "p95_s": self.p95_s, "max_s": self.max_s}
+
+
+@dataclass
+class _Item:
+    ref: ray.ObjectRef
+    submitted: float
+    size_bytes: int | None
+
+
+class EdgeChannel:
+    """The refs submitted on one edge and not yet taken by the consumer; latency = submit to take.
+
+    The controller puts each ref it dispatches for the edge's producer, and takes results for the
+    consumer; `pending()` is the queue length the backpressure policy watches.
+    """
+
+    def __init__(self, key: str, high_watermark: int, max_size_bytes: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.key = key
+        self.high_watermark = high_watermark
+        self.max_size_bytes = max_size_bytes
+        self.latency = LatencyStats()
+        self.bytes_total = 0
+        self.oversize = 0
+        """Puts larger than the edge's max_size_bytes: a hint that data meant to stay local does not."""
+        self._clock = clock
+        self._items: list[_Item] = []
+
+    def put(self, ref: ray.ObjectRef, size_bytes: int | None = None) -> None:
+        self._items.append(_Item(ref, self._clock(), size_bytes))
+        if size_bytes is not None:
+            self.bytes_total += size_bytes
+            if self.max_size_bytes is not None and size_bytes > self.max_size_bytes:
+                self.oversize += 1
+
+    def pending(self) -> int:
+        return len(self._items)
+
+    def take_ready(self, timeout: float | None = None) -> list[Any]:
+        """Values of the finished refs, in submission order.
+
+        Waits up to `timeout` seconds for at least one to finish (None: until one does; 0: just look),
+        then takes every ref finished by then. A failed task raises here; its batch is dropped.
+        """
+        if not self._items:
+            return []
+        refs = [it.ref for it in self._items]
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        if not ready:
+            return []
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = set(ready)
+        taken = [it for it in self._items if it.ref in done]
+        self._items = [it for it in self._items if it.ref not in done]
+        return self._collect(taken)
+
+    def drain(self) -> list[Any]:
+        """Every pending value, in submission order; blocks until all are finished.
+
+        Each item's latency is stamped when it finishes, not when the last one does.
+        """
+        taken, self._items = self._items, []
+        left = [it.ref for it in taken]
+        finished: dict[ray.ObjectRef, float] = {}
+        while left:
+            ray.wait(left, num_returns=1)
+            ready, left = ray.wait(left, num_returns=len(left), timeout=0)
+            now = self._clock()
+            finished.update((r, now) for r in ready)
+        return self._collect(taken, finished)
+
+    def _collect(self, taken: list[_Item], finished: dict[ray.ObjectRef, float] | None = None) -> list[Any]:
+        if not taken:
+            return []
+        now = self._clock()
+        for it in taken:
+            self.latency.add((finished or {}).get(it.ref, now) - it.submitted)
+        return ray.get([it.ref for it in taken])
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "queue_len": self.pending(),
+            "high_watermark": self.high_watermark,
+            "latency": self.latency.as_dict(),
+            "bytes_total": self.bytes_total,
+            "oversize": self.oversize,
+        }

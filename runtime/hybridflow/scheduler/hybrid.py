@@ -1,0 +1,502 @@
+"""HybridScheduler: maps a DataflowGraph onto Ray once, then keeps its queues flowing.
+
+Device mapping happens once, in `start`: one placement group per co-location group (bundle i holds
+instance i of every member node) and one host actor per instance, so co-located roles hand data over
+in-process. Whole-GPU groups with parallelism > 1 are staged: their ranks fill nodes and are logged
+per node. Data-parallel groups get torch.distributed ranks. Between dispatches, `observe` turns queue
+lengths into parallelism changes (backpressure.py decides, this module acts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import ray
+from ray.actor import ActorHandle
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybridflow.api.spec import Scheduling
+from hybridflow.graph import ColocationGroup, DataflowGraph
+from hybridflow.scheduler.backpressure import BackpressureDecision, BackpressurePolicy
+from hybridflow.scheduler.edges import EdgeChannel
+from hybridflow.scheduler.placement import (
+    DP_ROLES,
+    GroupPlan,
+    PlacementError,
+    actor_options,
+    capacity_error,
+    describe_missing,
+    fits,
+    missing_resources,
+    order_bundles_by_node,
+    plan_placement,
+    real_resources,
+    scale,
+    stages_of,
+)
+
+log = logging.getLogger("hybridflow.scheduler")
+
+NAMESPACE = "hybridflow"
+DIST_BACKEND = "auto"
+"""Passed to setup_distributed: the host picks nccl when CUDA is available in its process, else gloo."""
+
+
+class Host(Protocol):
+    """What the scheduler calls on a host class (the plain class, before ray.remote wraps it).
+
+    `setup_distributed` may be called again on a live host (after a restart of a peer or a change of
+    world size): it must tear down an existing default process group before joining the new one.
+    """
+
+    def node_info(self) -> dict[str, Any]: ...  # node_id, ip, pid, gpu_ids
+    def free_port(self) -> int: ...
+    def setup_distributed(self, master_addr: str, master_port: int, rank: int, world_size: int,
+                          backend: str) -> None: ...
+    def ping(self) -> bool: ...
+
+
+HostKwargs = Callable[[ColocationGroup, int], dict[str, Any]]
+
+
+@dataclass
+class _Slot:
+    """One reserved bundle; `actor` is None while the slot is idle (parallelism lowered below it)."""
+
+    pg: PlacementGroup
+    bundle_index: int
+    extra: bool
+    actor: ActorHandle | None = None
+    name: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    plan: GroupPlan
+    slots: list[_Slot]
+    active: int
+    pgs: list[PlacementGroup]
+
+    @property
+    def hosts(self) -> list[ActorHandle]:
+        return [s.actor for s in self.slots[: self.active] if s.actor is not None]
+
+
+class HybridScheduler:
+    """Places a dataflow graph on Ray and adapts its parallelism; see the module docstring."""
+
+    def __init__(self, graph: DataflowGraph, scheduling: Scheduling, max_restarts: int = 3,
+                 name_prefix: str = "hf", *, namespace: str = NAMESPACE,
+                 dp_roles: Collection[str] = DP_ROLES, adjust_timeout_s: float = 10.0,
+                 call_timeout_s: float = 300.0) -> None:
+        self.graph = graph.validate()
+        self.scheduling = scheduling
+        self.max_restarts = max_restarts
+        self.name_prefix = name_prefix
+        self.namespace = namespace
+        self.dp_roles = tuple(dp_roles)
+        self.adjust_timeout_s = min(adjust_timeout_s, scheduling.placement_timeout_seconds)
+        """Bounded wait for the extra placement group of a raise: backpressure must never stall the loop."""
+        self.call_timeout_s = call_timeout_s
+        """Bound on actor start-up (node_info) and rank setup."""
+        self.run_id = uuid.uuid4().hex[:8]
+        self.decisions: list[str] = []
+        self.events: list[BackpressureDecision] = []
+        self._policy = BackpressurePolicy(scheduling.queue_high_watermark, scheduling.backpressure_window)
+        self._groups: dict[str, _Group] = {}
+        self._group_of: dict[str, str] = {}
+        self._remote: Any = None
+        self._host_kwargs: HostKwargs | None = None
+        self._serial = 0
+        self._started = False
+        self._channels = {
+            e.key: EdgeChannel(e.key, scheduling.queue_high_watermark, e.max_size_bytes)
+            for e in self.graph.data_edges()
+        }
+
+    # -- start -----------------------------------------------------------------------------------
+
+    def start(self, host_cls: type, host_kwargs: HostKwargs) -> None:
+        """Reserve every placement group, start one host per instance, set up data-parallel ranks.
+
+        Raises PlacementError (naming what is missing) when the cluster is too small, at once, or when
+        the placement groups are not ready within scheduling.placement_timeout_seconds.
+        """
+        if self._started:
+            raise RuntimeError("HybridScheduler.start() called twice")
+        if not ray.is_initialized():
+            raise RuntimeError("ray.init() must run before HybridScheduler.start()")
+        self._remote = ray.remote(host_cls)
+        self._host_kwargs = host_kwargs
+        node_totals = [real_resources(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+        totals = real_resources(ray.cluster_resources())
+        plans = plan_placement(self.graph, node_totals, self.dp_roles)
+        err = capacity_error(self.graph, plans, totals, node_totals)
+        if err is not None:
+            log.error("%s", err)
+            raise err
+        try:
+            self._reserve(plans, totals)
+            self._started = True
+            self._launch_all()
+            self.setup_distributed_all()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _reserve(self, plans: list[GroupPlan], totals: dict[str, float]) -> None:
+        """Create every placement group (unique names: a retried driver never collides) and wait, bounded."""
+        pgs: list[PlacementGroup] = []
+        try:
+            for p in plans:
+                self._decide(f"Scheduling decision: placement group {p.describe()}")
+                pgs.append(placement_group([dict(p.bundle)] * p.parallelism, strategy=p.strategy,
+                                           name=self._pg_name(p.name)))
+        except BaseException:
+            for pg in pgs:
+                remove_placement_group(pg)
+            raise
+        waits = {pg.ready(): i for i, pg in enumerate(pgs)}
+        timeout = self.scheduling.placement_timeout_seconds
+        _, not_ready = ray.wait(list(waits), num_returns=len(waits), timeout=timeout)
+        if not_ready:
+            late = [plans[waits[r]] for r in not_ready]
+            demand: dict[str, float] = {}
+            for p in late:
+                for k, v in p.demand().items():
+                    demand[k] = demand.get(k, 0.0) + v
+            available = real_resources(ray.available_resources())
+            for pg in pgs:
+                remove_placement_group(pg)
+            missing = missing_resources(demand, available)
+            detail = describe_missing(demand, totals, available) or (
+                "enough in total but not on single nodes: " + ", ".join(p.describe() for p in late))
+            msg = (f"placement groups not ready after {timeout:g}s for {', '.join(p.name for p in late)}: "
+                   f"{detail}")
+            log.error("%s", msg)
+            raise PlacementError(msg, missing)
+        for p, pg in zip(plans, pgs, strict=True):
+            slots = [_Slot(pg, i, extra=False) for i in order_bundles_by_node(self._bundle_nodes(pg))]
+            self._groups[p.name] = _Group(p, slots, p.parallelism, [pg])
+            for n in p.node_names:
+                self._group_of[n] = p.name
+
+    def _launch_all(self) -> None:
+        launched = [(g, i) for g in self._groups.values() for i in range(g.active)]
+        for g, i in launched:
+            self._launch(g, i)
+        self._fetch_info(launched)
+        for g in self._groups.values():
+            self._log_placement(g, range(g.active))
+
+    def _launch(self, g: _Group, index: int) -> None:
+        assert self._host_kwargs is not None
+        slot = g.slots[index]
+        self._serial += 1
+        slot.name = f"{self.name_prefix}-{self.run_id}-{g.plan.name}-{self._serial}"
+        strategy = PlacementGroupSchedulingStrategy(slot.pg, placement_group_bundle_index=slot.bundle_index)
+        slot.actor = self._remote.options(
+            **actor_options(g.plan.bundle), scheduling_strategy=strategy, max_restarts=self.max_restarts,
+            max_task_retries=0, name=slot.name, namespace=self.namespace,
+        ).remote(**self._host_kwargs(g.plan.group, index))
+
+    def _fetch_info(self, which: list[tuple[_Group, int]]) -> None:
+        refs = [g.slots[i].actor.node_info.remote() for g, i in which]  # type: ignore[union-attr]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
+        if len(ready) < len(refs):
+            done = set(ready)
+            late = [g.slots[i].name for (g, i), r in zip(which, refs, strict=True) if r not in done]
+            raise TimeoutError(f"hosts did not start within {self.call_timeout_s:g}s: {', '.join(late)}")
+        for (g, i), info in zip(which, ray.get(refs), strict=True):
+            g.slots[i].info = dict(info)
+
+    def _log_placement(self, g: _Group, indices: range) -> None:
+        """Co-location decisions per instance, and for staged groups one decision per stage."""
+        if len(g.plan.node_names) > 1:
+            for i in indices:
+                names = " and ".join(f"{n}_{i}" for n in g.plan.node_names)
+                self._decide(f"Scheduling decision: co-located {names} on node {g.slots[i].info.get('node_id')}")
+        if g.plan.staged:
+            placed = [(s.info.get("node_id", ""), list(s.info.get("gpu_ids", []))) for s in g.slots[: g.active]]
+            stages = stages_of(placed)
+            for st in stages:
+                members = ", ".join(f"{g.plan.name}_{i}" for i in st.instances)
+                self._decide(f"Scheduling decision: stage {st.index} of {g.plan.name}: {members} "
+                             f"on node {st.node_id} (GPU ids {list(st.gpu_ids)})")
+            sizes = tuple(len(st.instances) for st in stages)
+            if g.active == g.plan.parallelism and sorted(sizes) != sorted(g.plan.planned_stages):
+                self._decide(f"Scheduling decision: {g.plan.name} landed in stages {list(sizes)}, "
+                             f"planned {list(g.plan.planned_stages)}")
+
+    # -- distributed ranks -----------------------------------------------------------------------
+
+    def setup_distributed_all(self) -> None:
+        """(Re)build torch.distributed for every data-parallel group: rank 0's ip and a free port of its."""
+        self._setup_distributed([g for g in self._groups.values() if g.plan.data_parallel])
+
+    def _setup_distributed(self, groups: list[_Group]) -> None:
+        calls: list[tuple[str, ray.ObjectRef]] = []
+        for g in groups:
+            hosts = g.hosts
+            if not hosts:
+                continue
+            info, port = ray.get([hosts[0].node_info.remote(), hosts[0].free_port.remote()],
+                                 timeout=self.call_timeout_s)
+            g.slots[0].info = dict(info)
+            ip = info["ip"]
+            for rank, h in enumerate(hosts):
+                calls.append((f"{g.plan.name} rank {rank}",
+                              h.setup_distributed.remote(ip, port, rank, len(hosts), DIST_BACKEND)))
+            self._decide(f"Scheduling decision: data-parallel {g.plan.name}: world size {len(hosts)}, "
+                         f"master {ip}:{port}, backend {DIST_BACKEND}")
+        if not calls:
+            return
+        refs = [r for _, r in calls]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.call_timeout_s)
+        if len(ready) < len(refs):
+            done = set(ready)
+            late = [name for name, r in calls if r not in done]
+            raise TimeoutError(f"distributed setup not done within {self.call_timeout_s:g}s: {', '.join(late)}")
+        ray.get(refs)
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def _group(self, node_name: str) -> _Group:
+        if node_name not in self._group_of:
+            if node_name in {n.name for n in self.graph.nodes}:
+                raise RuntimeError("the scheduler has not been started")
+            raise KeyError(f"unknown node {node_name!r}")
+        return self._groups[self._group_of[node_name]]
+
+    def hosts(self, node_name: str) -> list[ActorHandle]:
+        """Active host actors serving `node_name`, in instance order (shared with co-located nodes)."""
+        return self._group(node_name).hosts
+
+    def instance_count(self, node_name: str) -> int:
+        return self._group(node_name).active
+
+    def colocated_with(self, node_name: str) -> tuple[str, ...]:
+        """Every node sharing `node_name`'s hosts (itself included), in graph order."""
+        return self._group(node_name).plan.node_names
+
+    def planned_parallelism(self, node_name: str) -> int:
+        return self._group(node_name).plan.parallelism
+
+    def channel(self, edge_key: str) -> EdgeChannel:
+        """The queue of data edge `src->dst`; control edges have none."""
+        try:
+            return self._channels[edge_key]
+        except KeyError:
+            raise KeyError(f"no data edge {edge_key!r}; data edges: {sorted(self._channels)}") from None
+
+    def get_status(self) -> dict[str, Any]:
+        nodes: dict[str, Any] = {}
+        for n in self.graph.nodes:
+            g = self._groups.get(self._group_of.get(n.name, ""))
+            workers = [] if g is None else [
+                {"instance": i, "node_id": s.info.get("node_id"), "ip": s.info.get("ip"), "pid": s.info.get("pid"),
+                 "gpu_ids": list(s.info.get("gpu_ids", [])), "bundle": dict(g.plan.bundle), "actor": s.name}
+                for i, s in enumerate(g.slots[: g.active])
+            ]
+            nodes[n.name] = {
+                "workers": workers,
+                "parallelism": g.active if g else 0,
+                "planned_parallelism": n.parallelism,
+                "resources": dict(n.resources),
+                "group": g.plan.name if g else None,
+                "queue_len": sum(self._channels[e.key].pending() for e in self.graph.data_edges()
+                                 if e.dst_name == n.name),
+            }
+        return {
+            "nodes": nodes,
+            "edges": {k: ch.status() for k, ch in self._channels.items()},
+            "decisions": list(self.decisions),
+            "backpressure": [e.as_dict() for e in self.events],
+        }
+
+    # -- parallelism -----------------------------------------------------------------------------
+
+    def adjust_parallelism(self, node_name: str, target_parallelism: int, reason: str) -> int:
+        """Change the instance count of `node_name`'s co-location group; returns the count now in effect.
+
+        Co-located nodes share hosts, so they change together. Lowering kills hosts from the highest
+        instance down and keeps base bundles reserved, so relaxing back always fits. Raising reuses
+        those idle bundles first, then reserves an extra placement group with a bounded wait; when the
+        resources are not there it logs why and returns the unchanged count. Data-parallel groups get
+        new ranks (setup_distributed on every host); the new hosts start from host_kwargs, so the
+        trainer loads their state.
+        """
+        g = self._group(node_name)
+        old, target = g.active, max(1, int(target_parallelism))
+        if target == old:
+            return old
+        partners = [n for n in g.plan.node_names if n != node_name]
+        with_ = f"; with co-located {', '.join(partners)}" if partners else ""
+        if target < old:
+            self._lower(g, target)
+        elif not self._raise(g, target, node_name, reason):
+            return old
+        self._decide(f"Backpressure: {node_name} parallelism {old} -> {target} ({reason}){with_}")
+        if target > old:
+            self._log_placement(g, range(old, target))
+        if g.plan.data_parallel:
+            self._setup_distributed([g])
+        return target
+
+    def _lower(self, g: _Group, target: int) -> None:
+        for s in g.slots[target: g.active]:
+            if s.actor is not None:
+                ray.kill(s.actor, no_restart=True)
+            s.actor, s.info = None, {}
+        g.active = target
+        in_use = {s.pg.id for s in g.slots[:target]}
+        for pg in g.pgs[1:]:
+            if pg.id not in in_use:
+                remove_placement_group(pg)
+        g.pgs = [pg for i, pg in enumerate(g.pgs) if i == 0 or pg.id in in_use]
+        kept = {pg.id for pg in g.pgs}
+        g.slots = [s for s in g.slots if s.pg.id in kept]
+
+    def _raise(self, g: _Group, target: int, node_name: str, reason: str) -> bool:
+        need = target - len(g.slots)
+        if need > 0:
+            demand = scale(g.plan.bundle, need)
+            available = real_resources(ray.available_resources())
+            if not fits(demand, available):
+                why = describe_missing(demand, real_resources(ray.cluster_resources()), available)
+                self._decide(f"Backpressure: cannot raise {node_name} parallelism {g.active} -> {target}: "
+                             f"{why} ({reason})")
+                return False
+            pg = placement_group([dict(g.plan.bundle)] * need, strategy="PACK", name=self._pg_name(g.plan.name))
+            ready, _ = ray.wait([pg.ready()], timeout=self.adjust_timeout_s)
+            if not ready:
+                remove_placement_group(pg)
+                self._decide(f"Backpressure: cannot raise {node_name} parallelism {g.active} -> {target}: "
+                             f"{need} more bundles not placed within {self.adjust_timeout_s:g}s ({reason})")
+                return False
+            g.pgs.append(pg)
+            g.slots += [_Slot(pg, i, extra=True) for i in order_bundles_by_node(self._bundle_nodes(pg))]
+        new = list(range(g.active, target))
+        for i in new:
+            self._launch(g, i)
+        old, g.active = g.active, target
+        try:
+            self._fetch_info([(g, i) for i in new])
+        except BaseException:
+            self._lower(g, old)
+            raise
+        return True
+
+    def _can_raise(self, node_name: str) -> bool:
+        g = self._group(node_name)
+        if g.active < len(g.slots):
+            return True
+        return fits(g.plan.bundle, real_resources(ray.available_resources()))
+
+    def observe(self) -> list[BackpressureDecision]:
+        """One backpressure observation of every data edge; returns the changes tried (see `applied`)."""
+        if not self.scheduling.backpressure or not self._started:
+            return []
+        out: list[BackpressureDecision] = []
+        for e in self.graph.data_edges():
+            signal = self._policy.observe(e.key, self._channels[e.key].pending())
+            if signal is None:
+                continue
+            ends = (e.src_name, e.dst_name)
+            current = {n: self.instance_count(n) for n in ends}
+            planned = {n: self.planned_parallelism(n) for n in ends}
+            tried: BackpressureDecision | None = None
+            for cand in self._policy.candidates(signal, e.src_name, e.dst_name, current, planned,
+                                                self._can_raise):
+                got = self.adjust_parallelism(cand.node, cand.new, cand.reason)
+                tried = replace(cand, applied=got == cand.new)
+                self.events.append(tried)
+                if tried.applied:
+                    break
+            if tried is not None:
+                out.append(tried)
+        return out
+
+    # -- recovery and teardown -------------------------------------------------------------------
+
+    def wait_ready(self, timeout: float) -> None:
+        """Ping every host until all answer (Ray restarts dead ones up to max_restarts); refresh node info.
+
+        Raises TimeoutError naming the hosts that did not answer within `timeout` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        waiting = {s.name: s for g in self._groups.values() for s in g.slots[: g.active] if s.actor is not None}
+        inflight: dict[str, ray.ObjectRef] = {}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for name, s in waiting.items():
+                if name not in inflight:
+                    inflight[name] = s.actor.ping.remote()  # type: ignore[union-attr]
+            ready, _ = ray.wait(list(inflight.values()), num_returns=len(inflight), timeout=min(left, 1.0))
+            for name, ref in list(inflight.items()):
+                if ref not in ready:
+                    continue
+                del inflight[name]
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError:
+                    continue
+                del waiting[name]
+            if waiting and not inflight:
+                time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+        if waiting:
+            raise TimeoutError(f"hosts not answering after {timeout:g}s: {', '.join(sorted(waiting))}")
+        self._fetch_info([(g, i) for g in self._groups.values() for i in range(g.active)])
+
+    def shutdown(self) -> None:
+        """Kill every host and remove every placement group; safe to call twice."""
+        for g in self._groups.values():
+            for s in g.slots:
+                if s.actor is not None:
+                    try:
+                        ray.kill(s.actor, no_restart=True)
+                    except Exception as e:  # already gone
+                        log.debug("kill %s: %s", s.name, e)
+                    s.actor = None
+            for pg in g.pgs:
+                try:
+                    remove_placement_group(pg)
+                except Exception as e:
+                    log.debug("remove placement group: %s", e)
+        self._groups.clear()
+        self._group_of.clear()
+        self._started = False
+
+    def __enter__(self) -> HybridScheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _pg_name(self, group: str) -> str:
+        return f"{self.name_prefix}-{self.graph.name}-{group}-{self.run_id}-{uuid.uuid4().hex[:6]}"
+
+    @staticmethod
+    def _bundle_nodes(pg: PlacementGroup) -> dict[int, str]:
+        table = placement_group_table(pg)
+        return {int(k): str(v) for k, v in table.get("bundles_to_node_id", {}).items()}
+
+    def _decide(self, message: str) -> None:
+        self.decisions.append(message)
+        log.info("%s", message)

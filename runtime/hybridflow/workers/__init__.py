@@ -1,0 +1,1 @@
+"""Worker roles as plain classes; the scheduler hosts them in Ray actors."""

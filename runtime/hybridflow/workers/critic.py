@@ -1,0 +1,96 @@
+"""The critic: a causal-LM backbone with a scalar value head, trained data-parallel across ranks."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from hybridflow import algos
+from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.workers import distributed
+from hybridflow.workers.actor import optimizer_steps
+from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.modeling import DTYPES, check_model_dir, minibatch_chunks, position_ids
+
+
+class ValueModel(torch.nn.Module):
+    """V(s_t) = w . h_t + b over the backbone's last hidden state."""
+
+    def __init__(self, path: str, dtype: str) -> None:
+        super().__init__()
+        from transformers import AutoModel
+
+        self.backbone = AutoModel.from_pretrained(path, dtype=DTYPES[dtype])
+        self.value_head = torch.nn.Linear(self.backbone.config.hidden_size, 1, dtype=DTYPES[dtype])
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).float()
+
+
+class CriticWorker:
+    """One data-parallel rank; gradients are averaged over the process group before each step."""
+
+    def __init__(self, spec: RLTrainingJobSpec, device: torch.device, seed: int = 0) -> None:
+        self.spec, self.device = spec, device
+        path = spec.model.critic.path or spec.model.policy.path
+        field = "spec.model.critic.path" if spec.model.critic.path else "spec.model.policy.path"
+        self.model = ValueModel(check_model_dir(path, field), spec.model.critic.dtype).to(device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.trainer.critic_lr, weight_decay=0.0)
+        self.shuffle = torch.Generator().manual_seed(seed + 7919)
+
+    def _values(self, batch: RolloutBatch) -> torch.Tensor:
+        """Values of the states that precede each response token: positions P-1 .. P+R-2."""
+        v = self.model(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
+        return v[:, batch.prompt_length - 1:-1]
+
+    @torch.no_grad()
+    def values(self, batch: RolloutBatch) -> RolloutBatch:
+        t0 = time.perf_counter()
+        self.model.eval()
+        batch.tensors["values"] = (self._values(batch) * batch.response_mask.to(self.device)).cpu()
+        batch.add_timing("values", time.perf_counter() - t0)
+        return batch
+
+    def update(self, batch: RolloutBatch) -> dict[str, float]:
+        """Clipped value regression towards the GAE returns."""
+        t0 = time.perf_counter()
+        algo = self.spec.algorithm
+        self.model.train()
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(algo.ppo_epochs):
+            for idx in minibatch_chunks(len(batch), optimizer_steps(self.spec), self.shuffle):
+                self.optimizer.zero_grad(set_to_none=False)
+                if len(idx) > 0:
+                    mb = batch.slice_index(idx)
+                    mask = mb.response_mask.float().to(self.device)
+                    loss, metrics = algos.value_loss(
+                        self._values(mb), mb.tensors["returns"].to(self.device), mb.tensors["values"].to(self.device),
+                        mask, clip=algo.value_clip, agg=algo.loss_agg,
+                    )
+                    loss.backward()
+                    metrics["critic_loss"] = loss.item()
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    count += 1
+                distributed.average_gradients(self.model)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.trainer.max_grad_norm)
+                self.optimizer.step()
+        out = distributed.average_scalars({k: v / max(count, 1) for k, v in sums.items()}, self.device)
+        out["timing/critic_update_compute"] = time.perf_counter() - t0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "shuffle": self.shuffle.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.shuffle.set_state(state["shuffle"])

@@ -1,0 +1,67 @@
+"""Data-parallel ranks: torch.distributed over NCCL on GPUs, gloo on CPUs."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` means NCCL when this process sees CUDA, gloo otherwise."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def setup(master_addr: str, master_port: int, rank: int, world_size: int, backend: str = "auto",
+          timeout_s: float = 120.0) -> str:
+    """(Re)join the process group; a restarted worker calls this again with the same rank."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    chosen = resolve_backend(backend)
+    dist.init_process_group(
+        chosen, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return chosen
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def average_gradients(module: torch.nn.Module) -> None:
+    """g <- (1/W) * sum_r g_r, one all-reduce over the flattened gradients."""
+    n = world_size()
+    if n == 1:
+        return
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= n
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def average_scalars(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Mean of each metric over ranks, so every rank reports the same numbers."""
+    if world_size() == 1 or not values:
+        return values
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    t /= world_size()
+    return dict(zip(keys, t.tolist(), strict=True))

@@ -1,0 +1,163 @@
+"""One worker process hosting the co-located roles of one graph instance.
+
+A plain class: the scheduler wraps it in a Ray actor; tests and GPU checks may use it directly.
+Co-located steps run here back to back, so their hand-off never touches the object store.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.workers import distributed
+from hybridflow.workers.actor import ActorRolloutWorker, ReferenceWorker
+from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.critic import CriticWorker
+from hybridflow.workers.modeling import pick_device, prepare_process
+from hybridflow.workers.reward import RewardWorker
+
+# step name -> (role that runs it, method name on that role's worker)
+STEPS: dict[str, tuple[str, str]] = {
+    "reward": ("reward", "score"),
+    "reference": ("reference", "ref_log_probs"),
+    "old_log_probs": ("actor_rollout", "old_log_probs"),
+    "values": ("critic", "values"),
+}
+
+
+class WorkerHost:
+    """Holds one worker per role; `roles` maps graph node name -> role."""
+
+    def __init__(self, spec: dict[str, Any], roles: dict[str, str], instance: int, seed: int = 0,
+                 use_gpu: bool = True) -> None:
+        prepare_process()
+        self.spec = RLTrainingJobSpec.model_validate(spec)
+        self.roles, self.instance, self.seed = dict(roles), instance, seed
+        self.device = pick_device(use_gpu)
+        self._seed_everything()
+        self.workers: dict[str, Any] = {}
+        self._build()
+
+    def _seed_everything(self) -> None:
+        s = self.seed * 1000 + self.instance
+        random.seed(s)
+        torch.manual_seed(s)
+
+    def _build(self) -> None:
+        for role in self.roles.values():
+            if role == "actor_rollout":
+                self.workers[role] = ActorRolloutWorker(self.spec, self.device, self.seed + self.instance)
+            elif role == "reference":
+                self.workers[role] = ReferenceWorker(self.spec, self.device)
+            elif role == "critic":
+                self.workers[role] = CriticWorker(self.spec, self.device, self.seed)
+            elif role == "reward":
+                self.workers[role] = RewardWorker(self.spec, self.device)
+
+    # -- what the scheduler needs -----------------------------------------------------------------
+
+    def node_info(self) -> dict[str, Any]:
+        node_id, gpu_ids = "local", []
+        try:
+            import ray
+
+            if ray.is_initialized():
+                node_id = ray.get_runtime_context().get_node_id()
+                gpu_ids = [str(g) for g in ray.get_gpu_ids()]
+        except ImportError:
+            pass
+        return {"node_id": node_id, "ip": socket.gethostbyname(socket.gethostname()), "pid": os.getpid(),
+                "gpu_ids": gpu_ids, "roles": self.roles, "device": str(self.device)}
+
+    def free_port(self) -> int:
+        return distributed.free_port()
+
+    def setup_distributed(self, master_addr: str, master_port: int, rank: int, world_size: int,
+                          backend: str = "auto") -> str:
+        return distributed.setup(master_addr, master_port, rank, world_size, backend)
+
+    def ping(self) -> bool:
+        return True
+
+    # -- dataflow ---------------------------------------------------------------------------------
+
+    def rollout(self, rows: list[dict[str, str]], group_ids: list[int], chain: list[str]) -> RolloutBatch:
+        """Generate, then run the co-located steps of `chain` in this process."""
+        batch = self.workers["actor_rollout"].generate(rows, group_ids)
+        for step in chain:
+            self._apply(step, batch)
+        return batch
+
+    def run(self, step: str, batch: RolloutBatch) -> dict[str, Any]:
+        """A step for a batch that arrived through the object store; only the new tensors go back."""
+        before = set(batch.tensors)
+        t0 = time.perf_counter()
+        self._apply(step, batch)
+        return {"tensors": {k: v for k, v in batch.tensors.items() if k not in before},
+                "seconds": time.perf_counter() - t0}
+
+    def _apply(self, step: str, batch: RolloutBatch) -> None:
+        role, method = STEPS[step]
+        getattr(self.workers[role], method)(batch)
+
+    def update_actor(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
+        return self.workers["actor_rollout"].update(batch, kl_coef)
+
+    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
+        return self.workers["critic"].update(batch)
+
+    def policy_version(self) -> int:
+        return self.workers["actor_rollout"].version
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def _trainable(self) -> dict[str, Any]:
+        return {r: w for r, w in self.workers.items() if hasattr(w, "state_dict")}
+
+    def save(self, directory: str, name: str) -> str:
+        """Write this instance's trainable state and RNG into directory/name.pt."""
+        state = {
+            "roles": {r: w.state_dict() for r, w in self._trainable().items()},
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        }
+        if not state["roles"]:
+            return ""
+        path = Path(directory) / f"{name}.pt"
+        torch.save(state, path)
+        return str(path)
+
+    def load(self, directory: str, name: str) -> bool:
+        path = Path(directory) / f"{name}.pt"
+        if not self._trainable():
+            return True
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint {directory} has no state for {name} (was the world size changed?)")
+        state = torch.load(path, weights_only=False)
+        for role, s in state["roles"].items():
+            self.workers[role].load_state_dict(s)
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        return True
+
+    def reset(self) -> bool:
+        """Back to the initial weights (recovery before the first checkpoint)."""
+        self._seed_everything()
+        self.workers = {}
+        self._build()
+        return True
+
+    def sleep(self, seconds: float) -> float:
+        """Used by tests to make a role slow; returns the time actually slept."""
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        return time.perf_counter() - t0

@@ -1,0 +1,87 @@
+"""Loading HF models and the forward passes every role shares (log-probs, values)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from hybridflow.algos import entropy_from_logits, logprobs_from_logits
+from hybridflow.data.tiny import resolve_model_path
+from hybridflow.workers.batch import RolloutBatch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelPathError(ValueError):
+    """A model directory that does not exist or is not an HF model; names the spec field."""
+
+
+def pick_device(want_gpu: bool = True) -> torch.device:
+    return torch.device("cuda") if want_gpu and torch.cuda.is_available() else torch.device("cpu")
+
+
+def prepare_process() -> None:
+    """Several workers share few cores: one thread each unless HYBRIDFLOW_TORCH_THREADS says otherwise;
+    and no per-load progress bars or load reports from transformers in the training log."""
+    torch.set_num_threads(int(os.environ.get("HYBRIDFLOW_TORCH_THREADS", "1")))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def check_model_dir(path: str, field: str) -> str:
+    """Resolve builtin names and fail with the spec field when the directory is not a model."""
+    resolved = resolve_model_path(path)
+    if not (Path(resolved) / "config.json").is_file():
+        raise ModelPathError(f"{field}: no HF model at {path!r} (expected a directory with config.json)")
+    return resolved
+
+
+def load_tokenizer(path: str):  # -> PreTrainedTokenizerBase
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(path: str, dtype: str, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    return model.to(device)
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: cumsum(mask) - 1, clamped at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def response_logits(model: torch.nn.Module, batch: RolloutBatch, device: torch.device) -> torch.Tensor:
+    """Logits that predict each response token: positions P-1 .. P+R-2 of the full sequence."""
+    ids = batch.input_ids.to(device)
+    mask = batch.attention_mask.to(device)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False)
+    p = batch.prompt_length
+    return out.logits[:, p - 1:-1].float()
+
+
+def response_log_probs(model: torch.nn.Module, batch: RolloutBatch, device: torch.device,
+                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits = response_logits(model, batch, device)
+    labels = batch.responses_ids.to(device)
+    logp = logprobs_from_logits(logits, labels)
+    return logp, (entropy_from_logits(logits) if with_entropy else None)
+
+
+def minibatch_chunks(n: int, chunks: int, generator: torch.Generator) -> list[torch.Tensor]:
+    """A shuffled permutation of range(n) cut into exactly `chunks` pieces (some may be empty).
+
+    Every data-parallel rank takes the same number of optimiser steps, so collectives always match.
+    """
+    return list(torch.randperm(n, generator=generator).tensor_split(chunks))

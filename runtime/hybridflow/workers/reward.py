@@ -1,0 +1,96 @@
+"""Reward: built-in rule functions, a user `module:function`, or a sequence-classification reward model."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import time
+from collections.abc import Callable
+
+import torch
+
+from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.data.tiny import tiny_task_reward
+from hybridflow.workers.batch import RolloutBatch
+
+RewardFn = Callable[[str, str, str], float]
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+class RewardFunctionError(ValueError):
+    """spec.reward.function cannot be imported or is not callable."""
+
+
+def _last_number(text: str) -> str | None:
+    """The answer after '####' when present (GSM8K convention), else the last number in the text."""
+    if "####" in text:
+        text = text.rsplit("####", 1)[1]
+    found = _NUMBER.findall(text)
+    if not found:
+        return None
+    value = found[-1].replace(",", "").rstrip(".")
+    return value[:-2] if value.endswith(".0") else value
+
+
+def gsm8k_reward(prompt: str, response: str, answer: str) -> float:
+    """1.0 when the response's final number equals the reference answer's, else 0.0."""
+    got, want = _last_number(response), _last_number(answer)
+    return float(got is not None and got == want)
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "builtin:tiny_task": tiny_task_reward,
+    "builtin:gsm8k": gsm8k_reward,
+}
+
+
+def resolve_reward_function(name: str) -> RewardFn:
+    """`builtin:<name>` or `module:function`; the error names spec.reward.function and the cause."""
+    if name.startswith("builtin:"):
+        if name not in BUILTIN_REWARDS:
+            raise RewardFunctionError(
+                f"spec.reward.function: unknown built-in {name!r}, allowed: {', '.join(sorted(BUILTIN_REWARDS))}"
+            )
+        return BUILTIN_REWARDS[name]
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # any import-time failure of user code is a user error
+        raise RewardFunctionError(f"spec.reward.function: cannot import module {module_name!r}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardFunctionError(f"spec.reward.function: {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+class RewardWorker:
+    """Scores whole sequences; the score lands on the last response token downstream."""
+
+    def __init__(self, spec: RLTrainingJobSpec, device: torch.device) -> None:
+        self.device = device
+        self.fn: RewardFn | None = None
+        self.model = None
+        if spec.reward.type == "model":
+            from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+            from hybridflow.workers.modeling import check_model_dir
+
+            path = check_model_dir(spec.reward.model.path, "spec.reward.model.path")
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).to(device).eval()
+        else:
+            self.fn = resolve_reward_function(spec.reward.function)
+
+    @torch.no_grad()
+    def score(self, batch: RolloutBatch) -> RolloutBatch:
+        t0 = time.perf_counter()
+        if self.fn is not None:
+            scores = [float(self.fn(p, r, a)) for p, r, a in zip(batch.prompts, batch.responses, batch.answers,
+                                                                    strict=True)]
+            batch.tensors["scores"] = torch.tensor(scores, dtype=torch.float32)
+        else:
+            texts = [p + r for p, r in zip(batch.prompts, batch.responses, strict=True)]
+            enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(self.device)
+            batch.tensors["scores"] = self.model(**enc).logits[:, 0].float().cpu()
+        batch.add_timing("reward", time.perf_counter() - t0)
+        return batch
