@@ -113,19 +113,28 @@ def _plan(request: pytest.FixtureRequest) -> Plan:
     return plan
 
 
+def _start(plan: Plan, tmp_path_factory: pytest.TempPathFactory, attempts: int = 3) -> ControlPlane:
+    """Start the control plane; ports are picked free but may be grabbed before use: then retry."""
+    crd_dirs = [CRDS_DIR] if CRDS_DIR.is_dir() else []
+    for attempt in range(1, attempts + 1):
+        work_dir = tmp_path_factory.mktemp("control-plane")  # pytest keeps the last few: logs stay readable
+        cp = ControlPlane(full=plan.full, work_dir=work_dir, crd_dirs=crd_dirs, allow_build=False)
+        try:
+            return cp.start()
+        except (StartupError, binaries.MissingBinariesError) as exc:
+            if "address already in use" in str(exc) and attempt < attempts:
+                continue
+            pytest.fail(f"control plane did not start: {exc}", pytrace=False)
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="session")
 def _session_cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ControlPlane]:
     """The one control plane of this session (full only if a selected test needs it)."""
     plan = _plan(request)
-    work_dir = tmp_path_factory.mktemp("control-plane")  # pytest keeps the last few: logs stay readable
-    crd_dirs = [CRDS_DIR] if CRDS_DIR.is_dir() else []
-    cp = ControlPlane(full=plan.full, work_dir=work_dir, crd_dirs=crd_dirs, allow_build=False)
-    try:
-        cp.start()
-    except (StartupError, binaries.MissingBinariesError) as exc:
-        pytest.fail(f"control plane did not start: {exc}", pytrace=False)
+    cp = _start(plan, tmp_path_factory)
     try:
         yield cp
     finally:

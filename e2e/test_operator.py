@@ -320,7 +320,7 @@ def test_example_job_gets_its_owned_children_and_a_rayjob_kuberay_accepts(
     assert condition(job, "Ready")["status"] == "False"
     assert condition(job, "Stalled")["status"] == "False"
     assert all(c["observedGeneration"] == job["metadata"]["generation"] for c in status["conditions"])
-    assert events(cp, namespace, doc["metadata"]["name"], "Created"), "no Created events"
+    eventually(lambda: events(cp, namespace, doc["metadata"]["name"], "Created"), WAIT_S, "Created events")
 
 
 def test_status_follows_the_rayjob_as_kuberay_moves_it(
@@ -601,8 +601,13 @@ def test_graph_needing_more_gpus_stalls_with_an_event_and_no_retry_storm(
     eventually(lambda: events(cp, namespace, "too-big", "InsufficientGPUs"), WAIT_S, "a Warning event")
     assert get(cp, "rayjob", namespace, names.rayjob_name("too-big")) is None
 
-    # no retries: the status and the event stay put while the operator keeps running
-    resource_version = job["metadata"]["resourceVersion"]
+    # no retries: once kopf has recorded the outcome, nothing writes the job again
+    def settled() -> str | None:
+        before = job_of(cp, namespace, "too-big")["metadata"]["resourceVersion"]
+        time.sleep(2)
+        return before if job_of(cp, namespace, "too-big")["metadata"]["resourceVersion"] == before else None
+
+    resource_version = eventually(settled, WAIT_S, "the job stops changing")
     time.sleep(5)
     assert running.alive()
     assert job_of(cp, namespace, "too-big")["metadata"]["resourceVersion"] == resource_version

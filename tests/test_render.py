@@ -139,11 +139,11 @@ def test_config_map_holds_the_job_with_the_resolved_graph() -> None:
     assert doc["spec"]["trainer"]["totalSteps"] == 500
 
 
-@pytest.mark.xfail(reason="the API's graph node-name pattern rejects the built-in node names (actor_rollout)",
-                   strict=False)
 def test_config_map_job_loads_with_the_api_models() -> None:
+    """The runtime reads it with the same models: the resolved graph must pass their validation."""
     cm = by_kind(render_children(example(), SETTINGS))["ConfigMap"]
-    parse_job(yaml.safe_load(cm["data"]["job.yaml"]))
+    loaded = parse_job(yaml.safe_load(cm["data"]["job.yaml"]))
+    assert loaded.spec.graph is not None and len(loaded.spec.graph.nodes) == 4
 
 
 def test_pods_mount_the_config_and_run_as_the_runtime_service_account() -> None:
@@ -564,6 +564,11 @@ def test_settings_from_env() -> None:
     assert dict(s.gpu_products) == {"A100-80GB": ("NVIDIA-A100-SXM4-80GB",), "L4": ("NVIDIA-L4",)}
     assert s.runtime_image == "registry.local/rt:2"
     assert s.status_interval == 60.0
+
+
+def test_settings_classmethod_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYBRIDFLOW_RUNTIME_IMAGE", "registry.local/rt:3")
+    assert OperatorSettings.from_env().runtime_image == "registry.local/rt:3"
 
 
 def test_flags_override_env() -> None:

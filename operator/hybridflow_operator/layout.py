@@ -48,9 +48,6 @@ class Layout:
     rollout_group: str | None
     """The group of the actor_rollout node: the one whose replicas may change while the job runs."""
 
-    def group(self, name: str) -> GroupPlan:
-        return next(g for g in self.groups if g.name == name)
-
 
 def plan_layout(spec: RLTrainingJobSpec, gpu_products: Mapping[str, Sequence[str]]) -> Layout:
     """Resolve the graph and its worker groups; raise RenderError naming the field to fix."""

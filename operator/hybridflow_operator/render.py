@@ -13,9 +13,6 @@ from typing import Any
 import yaml
 
 from hybridflow.api import API_GROUP, API_VERSION, KIND, PLURAL, RLTrainingJob, SpecError, parse_job
-from hybridflow.api.spec import Graph as GraphSpec
-from hybridflow.api.spec import GraphEdge, GraphNode
-from hybridflow.graph import DataflowGraph
 from hybridflow_operator import names
 from hybridflow_operator.errors import RenderError
 from hybridflow_operator.layout import Layout, plan_layout
@@ -104,23 +101,12 @@ def _object(api_version: str, kind: str, name: str, namespace: str) -> dict:
 def _config_map(job: RLTrainingJob, layout: Layout, namespace: str) -> dict:
     """The job as the runtime reads it: the spec with the resolved graph (parallelism filled in)."""
     spec = job.spec.to_yaml_dict()
-    spec["graph"] = _graph_doc(layout.graph)
+    spec["graph"] = layout.graph.to_spec().to_yaml_dict()
     doc = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
            "metadata": {"name": job.metadata.name, "namespace": namespace}, "spec": spec}
     cm = _object("v1", "ConfigMap", names.config_map_name(job.metadata.name), namespace)
     cm["data"] = {CONFIG_FILE: yaml.safe_dump(doc, sort_keys=False)}
     return cm
-
-
-def _graph_doc(graph: DataflowGraph) -> dict:
-    """graph.to_spec() without validation: the built-in node names (actor_rollout) fail the node-name
-    pattern of the API models, and the graph is already valid by construction."""
-    nodes = [GraphNode.model_construct(name=n.name, role=n.role, resources=dict(n.resources),
-                                       parallelism=n.parallelism, pool=n.pool) for n in graph.nodes]
-    edges = [GraphEdge.model_construct(src=e.src_name, dst=e.dst_name, data_type=e.data_type, control=e.control,
-                                       co_locate=e.co_locate, max_size_bytes=e.max_size_bytes,
-                                       consistency=e.consistency) for e in graph.edges]
-    return GraphSpec.model_construct(nodes=nodes, edges=edges).to_yaml_dict()
 
 
 def _role(job_name: str, identity: str, namespace: str) -> dict:

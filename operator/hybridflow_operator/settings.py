@@ -7,6 +7,7 @@ only sets environment variables (the GPU product map included).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -49,6 +50,11 @@ class OperatorSettings:
     """Seconds between safety-net resyncs; status normally follows watch events."""
     event_level: str = "INFO"
     """Lowest level of the Kubernetes Events the operator posts (INFO posts Normal events too)."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> OperatorSettings:
+        """Settings from the process environment (or `environ`); see the module-level from_env."""
+        return from_env(os.environ if environ is None else environ, **overrides)
 
     @property
     def clusterwide(self) -> bool:

@@ -53,7 +53,6 @@ def cmd_render(args: argparse.Namespace) -> int:
         print(e.render(), file=sys.stderr)
         return 1
     from hybridflow_operator.render import RenderError, render_manifests
-
     from hybridflow_operator.settings import OperatorSettings
 
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -64,10 +65,8 @@ def run_training(job: RLTrainingJob, metrics_out: str | None, on_progress: Progr
             except ray.exceptions.RayTaskError as e:
                 raise TrainingFailed(_cause(e)) from None
     finally:
-        try:
+        with contextlib.suppress(Exception):  # already gone: Ray reclaims what it owned
             ray.get(ctrl.shutdown.remote(), timeout=60)
-        except Exception:  # already gone; Ray reclaims what it owned
-            pass
         ray.kill(ctrl, no_restart=True)
 
 
@@ -80,10 +79,8 @@ def _wait(ctrl: Any, done: ray.ObjectRef, on_progress: ProgressFn | None, poll_s
                 on_progress({"step": result["steps"], **(result["records"][-1] if result["records"] else {})})
             return result
         if on_progress:
-            try:
+            with contextlib.suppress(ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
                 on_progress(ray.get(ctrl.progress.remote(), timeout=poll_s * 4))
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
-                pass
 
 
 def _wait_alive(ctrl: Any, timeout_s: float) -> None:

@@ -112,7 +112,8 @@ class DataflowGraph:
         return found[0] if found else None
 
     def data_edges(self) -> list[Edge]:
-        return [e for e in self._edges if not e.control]
+        """Non-control edges between known nodes (unknown ends are reported by validate)."""
+        return [e for e in self._edges if not e.control and e.src_name in self._nodes and e.dst_name in self._nodes]
 
     # -- validation -------------------------------------------------------------------------------
 
@@ -135,9 +136,8 @@ class DataflowGraph:
                     problems.append(f"edge {e.key}: unknown node {end!r}")
             if e.consistency not in ("strong", "eventual"):
                 problems.append(f"edge {e.key}: consistency must be 'strong' or 'eventual'")
-        if not problems:
-            problems += self._cycle_problems()
-            problems += self._colocation_problems()
+        problems += self._cycle_problems()
+        problems += self._colocation_problems()
         if problems:
             raise GraphError(problems)
         return self
@@ -237,7 +237,9 @@ class DataflowGraph:
         for res, amount in sorted(need.items()):
             have = capacity.get(res, 0.0)
             if amount > have + 1e-9:
-                problems.append(f"the plan needs {res}={amount:g} but the cluster has {have:g} (missing {amount - have:g})")
+                problems.append(
+                    f"the plan needs {res}={amount:g} but the cluster has {have:g} (missing {amount - have:g})"
+                )
         if problems:
             raise GraphError(problems)
 

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 # role of a consumer node -> the step it runs on a rollout batch
-ROLE_STEP = {"reward": "reward", "reference": "reference", "critic": "values"}
+ROLE_STEP = {"reward": "reward", "reference": "reference"}
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Plan:
 
     actor: Node
     colocated_steps: list[str]
-    remote_steps: list[tuple[str, Node]]
+    remote_steps: list[tuple[str, Node]]  # streamed chunk by chunk through the object store
     critic: Node | None
 
 
@@ -61,8 +61,8 @@ def plan_steps(graph: DataflowGraph, spec: RLTrainingJobSpec) -> Plan:
     colocated, remote = [], []
     for node in graph.topo_order():
         step = ROLE_STEP.get(node.role)
-        if step is None or (node.role == "critic" and spec.algorithm.name != "ppo"):
-            continue
+        if step is None or node.role == "critic":
+            continue  # values run after rollout on the critic's data-parallel ranks
         if node.role == "reference" and not needs_reference(spec):
             continue
         if group_of[node.name] == group_of[actor.name]:
@@ -104,6 +104,7 @@ class Trainer:
         self.latest: dict[str, Any] = {}
         self.started = False
         self.recoveries = 0
+        self._host_counts: dict[str, int] = {}
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -175,43 +176,50 @@ class Trainer:
         """Generate in chunks; co-located steps run inside the actor's process, remote ones are streamed
         to their nodes as each chunk completes (through the object store, watched by backpressure)."""
         actor_name = self.plan.actor.name
+        hosts = self.scheduler.hosts(actor_name)
         chunks = self._chunks(len(rows))
-        busy: dict[str, float] = {}
-        pending: dict[ray.ObjectRef, int] = {}
-        for i, (a, b) in enumerate(chunks):
-            hosts = self.scheduler.hosts(actor_name)
-            host = hosts[i % len(hosts)]
-            pending[host.rollout.remote(rows[a:b], gids[a:b], self.plan.colocated_steps)] = i
-        gen_refs = {i: ref for ref, i in pending.items()}
-        submitted: dict[str, list[int]] = {f"{actor_name}->{node.name}": [] for _, node in self.plan.remote_steps}
-        turn = 0
-        waiting = list(pending)
-        while waiting:
+        gen_refs = [hosts[i % len(hosts)].rollout.remote(rows[a:b], gids[a:b], self.plan.colocated_steps)
+                    for i, (a, b) in enumerate(chunks)]
+        chunk_of = {ref: i for i, ref in enumerate(gen_refs)}
+        sent: dict[str, list[int]] = {f"{actor_name}->{node.name}": [] for _, node in self.plan.remote_steps}
+        waiting, turn = list(gen_refs), 0
+        while waiting and self.plan.remote_steps:
             done, waiting = ray.wait(waiting, num_returns=1)
-            i = pending[done[0]]
             for step, node in self.plan.remote_steps:
-                if node.role == "critic":
-                    continue  # values need the critic's ranks; they run after rollout, data-parallel
-                hosts = self.scheduler.hosts(node.name)
+                consumers = self.scheduler.hosts(node.name)
                 key = f"{actor_name}->{node.name}"
-                self.scheduler.channel(key).put(hosts[turn % len(hosts)].run.remote(step, done[0]))
-                submitted[key].append(i)
+                self.scheduler.channel(key).put(consumers[turn % len(consumers)].run.remote(step, done[0]))
+                sent[key].append(chunk_of[done[0]])
                 turn += 1
-            self.scheduler.observe()
-        parts = ray.get([gen_refs[i] for i in range(len(chunks))])
+        parts = ray.get(gen_refs)
+        self._observe()
+        busy: dict[str, float] = {}
         for i, p in enumerate(parts):
-            _add_busy(busy, f"{actor_name}_{i % len(self.scheduler.hosts(actor_name))}", sum(p.timings.values()))
-        for step, node in self.plan.remote_steps:
+            _add_busy(busy, f"{actor_name}_{i % len(hosts)}", sum(p.timings.values()))
+        for _, node in self.plan.remote_steps:
             key = f"{actor_name}->{node.name}"
-            if node.role == "critic":
-                continue
-            for i, out in zip(submitted[key], self.scheduler.channel(key).drain(), strict=True):
+            for i, out in zip(sent[key], self.scheduler.channel(key).drain(), strict=True):
                 parts[i].tensors.update(out["tensors"])
+                parts[i].add_timing(out["step"], out["seconds"])
                 _add_busy(busy, node.name, out["seconds"])
         batch = RolloutBatch.concat(parts)
         phase = {f"timing/{k}": v for k, v in batch.timings.items()}
         phase["compute/rollout"] = max(busy.values())
         return batch, phase
+
+    def _observe(self) -> None:
+        """One backpressure observation, taken when no generation is in flight (lowering the actor's
+        parallelism then never kills a busy host); hosts added to a trained role get its current state."""
+        self.scheduler.observe()
+        for node in (self.plan.actor, self.plan.critic):
+            if node is None:
+                continue
+            hosts = self.scheduler.hosts(node.name)
+            known = self._host_counts.get(node.name, len(hosts))
+            if len(hosts) > known:
+                state = hosts[0].export_state.remote()
+                ray.get([h.import_state.remote(state) for h in hosts[known:]])
+            self._host_counts[node.name] = len(hosts)
 
     def values_phase(self, batch: RolloutBatch) -> float:
         """Critic values, data-parallel over the critic's ranks; returns the slowest rank's compute."""
@@ -318,7 +326,7 @@ class Trainer:
         found = checkpoint.latest(self.spec.trainer.checkpoint.path)
         if found is None:
             return False
-        step, path = found
+        _step, path = found
         state = torch.load(Path(path) / "controller.pt", weights_only=False)
         missing = sorted(set(state["world"]) - {name for name, _ in self._instances()})
         if missing:

@@ -15,6 +15,7 @@ PLURAL = "rltrainingjobs"
 
 Quantity = Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")]
 DnsLabel = Annotated[str, Field(min_length=1, max_length=40, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
+NodeName = Annotated[str, Field(min_length=1, max_length=40, pattern=r"^[a-z0-9]([-_a-z0-9]*[a-z0-9])?$")]
 Role = Literal["actor_rollout", "critic", "reward", "reference"]
 KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
 
@@ -202,7 +203,7 @@ class Trainer(ApiModel):
 
 
 class GraphNode(ApiModel):
-    name: DnsLabel
+    name: NodeName
     role: Role
     resources: dict[str, float] = Field(default_factory=dict)
     """Per instance, e.g. {GPU: 1, CPU: 1}; fractional GPUs share a device."""
@@ -212,8 +213,8 @@ class GraphNode(ApiModel):
 
 
 class GraphEdge(ApiModel):
-    src: DnsLabel
-    dst: DnsLabel
+    src: NodeName
+    dst: NodeName
     data_type: str = Field("batch", min_length=1)
     control: bool = False
     co_locate: bool = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +50,7 @@ class RolloutBatch:
         """n contiguous slices (the last ones may be one shorter); empty slices are dropped."""
         size = len(self)
         bounds = [size * i // n for i in range(n + 1)]
-        return [self.slice(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+        return [self.slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
     def slice(self, a: int, b: int) -> RolloutBatch:
         return RolloutBatch(

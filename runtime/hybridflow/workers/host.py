@@ -101,7 +101,7 @@ class WorkerHost:
         t0 = time.perf_counter()
         self._apply(step, batch)
         return {"tensors": {k: v for k, v in batch.tensors.items() if k not in before},
-                "seconds": time.perf_counter() - t0}
+                "step": step, "seconds": time.perf_counter() - t0}
 
     def _apply(self, step: str, batch: RolloutBatch) -> None:
         role, method = STEPS[step]
@@ -121,26 +121,15 @@ class WorkerHost:
     def _trainable(self) -> dict[str, Any]:
         return {r: w for r, w in self.workers.items() if hasattr(w, "state_dict")}
 
-    def save(self, directory: str, name: str) -> str:
-        """Write this instance's trainable state and RNG into directory/name.pt."""
-        state = {
+    def export_state(self) -> dict[str, Any]:
+        """Trainable state and RNG of this instance: what a checkpoint file or a new rank receives."""
+        return {
             "roles": {r: w.state_dict() for r, w in self._trainable().items()},
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         }
-        if not state["roles"]:
-            return ""
-        path = Path(directory) / f"{name}.pt"
-        torch.save(state, path)
-        return str(path)
 
-    def load(self, directory: str, name: str) -> bool:
-        path = Path(directory) / f"{name}.pt"
-        if not self._trainable():
-            return True
-        if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {directory} has no state for {name} (was the world size changed?)")
-        state = torch.load(path, weights_only=False)
+    def import_state(self, state: dict[str, Any]) -> bool:
         for role, s in state["roles"].items():
             self.workers[role].load_state_dict(s)
         torch.set_rng_state(state["rng"]["torch"])
@@ -148,6 +137,22 @@ class WorkerHost:
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         return True
+
+    def save(self, directory: str, name: str) -> str:
+        """Write this instance's state into directory/name.pt (nothing for stateless roles)."""
+        if not self._trainable():
+            return ""
+        path = Path(directory) / f"{name}.pt"
+        torch.save(self.export_state(), path)
+        return str(path)
+
+    def load(self, directory: str, name: str) -> bool:
+        if not self._trainable():
+            return True
+        path = Path(directory) / f"{name}.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint {directory} has no state for {name} (was the parallelism changed?)")
+        return self.import_state(torch.load(path, weights_only=False))
 
     def reset(self) -> bool:
         """Back to the initial weights (recovery before the first checkpoint)."""

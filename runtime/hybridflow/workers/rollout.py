@@ -147,6 +147,8 @@ def make_rollout(engine: str, model: torch.nn.Module, model_path: str, tokenizer
         try:
             import vllm  # noqa: F401
         except ImportError:
-            raise RuntimeError("spec.rollout.engine: 'vllm' is not installed (pip install 'hybridflow[vllm]')") from None
+            raise RuntimeError(
+                "spec.rollout.engine: 'vllm' is not installed (pip install 'hybridflow[vllm]')"
+            ) from None
         return VllmRollout(model_path, tokenizer, cfg, max_prompt_length, max_response_length, dtype, seed)
     return TorchRollout(model, tokenizer, cfg, max_prompt_length, max_response_length, device)

@@ -1,0 +1,477 @@
+"""Runtime benchmark: hybridflow, a naive Ray loop and TRL's GRPOTrainer on one tiny GRPO workload.
+
+    python -m benchmarks.runtime              # every system, --steps 30, writes results/ and README.md
+    python -m benchmarks.runtime --quick      # smoke run (4 steps), written under runs/ only
+
+Each system runs in a fresh child process, one after the other, so memory and Ray sessions never mix;
+this process samples the child's whole process tree (driver, Ray's daemons and workers) for peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "examples" / "tiny-grpo.yaml"
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "benchmarks" / "README.md"
+QUICK_OUT = ROOT / "runs" / "bench-runtime-quick"
+SYSTEMS = ("hybridflow", "naive_ray", "trl")
+LABELS = {"hybridflow": "hybridflow", "naive_ray": "naive Ray", "trl": "TRL GRPOTrainer"}
+WARMUP = 2
+BEGIN, END = "<!-- runtime-bench:begin -->", "<!-- runtime-bench:end -->"
+TARGETS = {"ratio_vs_naive_ray": 1.5, "ratio_vs_trl": 1.0, "orchestration_overhead_frac": 0.05}
+OVERHEAD_DEFINITIONS = {
+    "hybridflow": "its own metric orchestration_overhead_frac: 1 - worker compute on the critical path / step time",
+    "naive_ray": "1 - (generate + slowest of the parallel reward/reference/old-log-prob calls + advantages "
+                 "+ actor update compute) / step time, each compute timed inside its worker as hybridflow does",
+    "trl": "1 - (generate + forward passes + loss + backward + optimizer step + reward function) / step time; "
+           "the rest is the trainer's own bookkeeping in the same process",
+}
+
+
+def torch_threads() -> int:
+    """Threads per worker process; hybridflow's local Ray passes the same variable to its workers."""
+    return int(os.environ.get("HYBRIDFLOW_TORCH_THREADS", "1"))
+
+
+def bench_job(steps: int, name: str) -> Any:
+    """examples/tiny-grpo.yaml with `steps` steps and no checkpoints (they are not part of a step)."""
+    from hybridflow.api import load_job
+
+    job = load_job(CONFIG)
+    job.metadata.name = name
+    job.spec.trainer.total_steps = steps
+    job.spec.trainer.checkpoint.every = 0
+    job.spec.trainer.resume = "never"
+    return job
+
+
+# -- one system, in its own process -------------------------------------------------------------------
+
+
+def run_system(system: str, steps: int, workdir: Path) -> dict[str, Any]:
+    """Train `steps` steps with one system; records use hybridflow's metric names plus `tokens`."""
+    job = bench_job(steps, f"bench-{system.replace('_', '-')}")
+    t0 = time.perf_counter()
+    extra: dict[str, Any] = {}
+    if system == "trl":
+        from benchmarks.trl_grpo import run_trl
+
+        out = run_trl(job.spec, steps, torch_threads())
+        records = out.pop("records")
+        extra = out
+    else:
+        import ray
+
+        from hybridflow.controller import init_ray
+
+        init_ray(local=True)
+        try:
+            if system == "hybridflow":
+                from hybridflow.controller import run_training
+
+                metrics = workdir / "hybridflow-metrics.jsonl"
+                run_training(job, str(metrics))
+                records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+                for r in records:
+                    r["tokens"] = r["tokens_per_s"] * r["timing/step"]
+                extra["metrics_jsonl"] = str(metrics)
+            elif system == "naive_ray":
+                from benchmarks.naive_ray import run_naive
+
+                result = run_naive(job.spec, steps)
+                records = result.records
+                extra["batch_shape"] = list(result.batch_shape)
+            else:
+                raise ValueError(f"unknown system {system!r}")
+        finally:
+            ray.shutdown()
+    return {"system": system, "records": records, "wall_s": time.perf_counter() - t0, **extra}
+
+
+# -- the parent: launch, sample memory, summarise -----------------------------------------------------
+
+
+class RssSampler(threading.Thread):
+    """Peak of the summed RSS over a process and all its descendants (Ray daemons and workers included)."""
+
+    def __init__(self, pid: int, interval_s: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval_s = pid, interval_s
+        self.peak_bytes = 0
+        self.peak_processes = 0
+        self._done = threading.Event()
+
+    def sample(self) -> tuple[int, int]:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0, 0
+        total, alive = 0, 0
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+                alive += 1
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return total, alive
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            total, count = self.sample()
+            self.peak_bytes = max(self.peak_bytes, total)
+            self.peak_processes = max(self.peak_processes, count)
+            self._done.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+
+def launch(system: str, steps: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
+    """Run one system in a child process; returns its raw result plus peak RSS and load averages."""
+    result_path = workdir / f"{system}.json"
+    log_path = workdir / f"{system}.log"
+    result_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "benchmarks.runtime", "--worker", system, "--steps", str(steps),
+           "--workdir", str(workdir)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    load_before = os.getloadavg()
+    with log_path.open("w") as log:
+        child = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        sampler = RssSampler(child.pid)
+        sampler.start()
+        try:
+            rc = child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            rc = child.wait()
+        finally:
+            sampler.stop()
+    if rc != 0 or not result_path.is_file():
+        tail = "\n".join(log_path.read_text().splitlines()[-30:])
+        raise RuntimeError(f"{system} failed (exit {rc}); last lines of {log_path}:\n{tail}")
+    raw = json.loads(result_path.read_text())
+    raw.update(peak_rss_bytes=sampler.peak_bytes, peak_processes=sampler.peak_processes,
+               load_avg_before=list(load_before), load_avg_after=list(os.getloadavg()))
+    return raw
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def summarise(raw: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """Figures over the steps after warm-up: tokens/s is total response tokens / total step time."""
+    recs = raw["records"]
+    measured = recs[warmup:] or recs
+    steps_s = [r["timing/step"] for r in measured]
+    tokens = [r["tokens"] for r in measured]
+    rewards = [r["reward_mean"] for r in recs]
+    head = min(3, len(rewards))
+    timing_keys = sorted({k for r in measured for k in r if k.startswith("timing/") and k != "timing/step"})
+    overhead = [r["orchestration_overhead_frac"] for r in measured if r.get("orchestration_overhead_frac") is not None]
+    return {
+        "measured_steps": len(measured),
+        "tokens_per_s": sum(tokens) / sum(steps_s),
+        "tokens_per_s_median": _median([r["tokens"] / r["timing/step"] for r in measured]),
+        "median_step_s": _median(steps_s),
+        "p90_step_s": sorted(steps_s)[int(0.9 * (len(steps_s) - 1))],
+        "orchestration_overhead_frac": _median(overhead),
+        "overhead_definition": OVERHEAD_DEFINITIONS[raw["system"]],
+        "peak_rss_mib": raw["peak_rss_bytes"] / 2**20,
+        "peak_processes": raw["peak_processes"],
+        "response_tokens_per_step": _median(tokens),
+        "reward_start": sum(rewards[:head]) / head,
+        "reward_end": sum(rewards[-head:]) / head,
+        "median_timings_s": {k: _median([r[k] for r in measured if k in r]) for k in timing_keys},
+        "wall_s": raw["wall_s"],
+        "load_avg_before": raw["load_avg_before"],
+        "load_avg_after": raw["load_avg_after"],
+        "curves": {"step_s": [r["timing/step"] for r in recs], "reward_mean": rewards,
+                   "tokens_per_s": [r["tokens"] / r["timing/step"] for r in recs]},
+        **{k: raw[k] for k in ("batch_shape", "torch_threads", "optimizer_steps_per_rl_step") if k in raw},
+    }
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("hybridflow", "torch", "ray", "transformers", "trl", "accelerate", "datasets"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def machine() -> dict[str, Any]:
+    import psutil
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "gpu": "none (CPU run)"}
+
+
+def bench_config(steps: int, warmup: int) -> dict[str, Any]:
+    spec = bench_job(steps, "bench").spec
+    return {
+        "job": str(CONFIG.relative_to(ROOT)), "algorithm": spec.algorithm.name, "model": spec.model.policy.path,
+        "task": spec.data.train, "prompts_per_step": spec.data.batch_size,
+        "samples_per_prompt": spec.rollout.samples_per_prompt,
+        "sequences_per_step": spec.data.batch_size * spec.rollout.samples_per_prompt,
+        "max_prompt_length": spec.data.max_prompt_length, "max_response_length": spec.data.max_response_length,
+        "mini_batch_size": spec.algorithm.mini_batch_size, "ppo_epochs": spec.algorithm.ppo_epochs,
+        "lr": spec.trainer.actor_lr, "kl_coef": spec.algorithm.kl_penalty.coef, "temperature": spec.rollout.temperature,
+        "steps": steps, "warmup_steps_excluded": warmup, "torch_threads_per_process": torch_threads(),
+        "rollout_engine": spec.rollout.engine, "trl_use_vllm": False,
+    }
+
+
+def build_report(summaries: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, Any]:
+    """Top-level ratios and targets beside the per-system details."""
+
+    def ratio(a: str, b: str, key: str = "tokens_per_s") -> float | None:
+        if a in summaries and b in summaries and summaries[b][key]:
+            return summaries[a][key] / summaries[b][key]
+        return None
+
+    hf = summaries.get("hybridflow", {})
+    report: dict[str, Any] = {
+        "ratio_vs_naive_ray": ratio("hybridflow", "naive_ray"),
+        "ratio_vs_trl": ratio("hybridflow", "trl"),
+        "orchestration_overhead_frac": hf.get("orchestration_overhead_frac"),
+        "ratio_vs_naive_ray_median": ratio("hybridflow", "naive_ray", "tokens_per_s_median"),
+        "ratio_vs_trl_median": ratio("hybridflow", "trl", "tokens_per_s_median"),
+    }
+    met = {}
+    for key, target in TARGETS.items():
+        value = report[key]
+        if value is None:
+            continue
+        ok = value <= target if key == "orchestration_overhead_frac" else value >= target
+        met[key] = {"target": target, "value": round(value, 4), "met": ok}
+    report.update(
+        targets=met,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        config=bench_config(steps, warmup),
+        versions=versions(),
+        machine=machine(),
+        systems=summaries,
+    )
+    return report
+
+
+# -- outputs: JSON, Markdown table, PNG ---------------------------------------------------------------
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The generated block of README.md: table, ratios against targets, configuration."""
+    rows = ["| system | tokens/s | median step (s) | p90 step (s) | orchestration overhead | peak RSS (MiB) "
+            "| processes | reward start → end |",
+            "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for name, s in report["systems"].items():
+        rows.append(
+            f"| {LABELS[name]} | {s['tokens_per_s']:.0f} | {s['median_step_s']:.3f} | {s['p90_step_s']:.3f} "
+            f"| {_fmt(s['orchestration_overhead_frac'], '.1%')} | {s['peak_rss_mib']:.0f} | {s['peak_processes']} "
+            f"| {s['reward_start']:.3f} → {s['reward_end']:.3f} |"
+        )
+    checks = []
+    names = {"ratio_vs_naive_ray": "hybridflow / naive Ray tokens/s", "ratio_vs_trl": "hybridflow / TRL tokens/s",
+             "orchestration_overhead_frac": "hybridflow orchestration overhead"}
+    for key, t in report["targets"].items():
+        op = "≤" if key == "orchestration_overhead_frac" else "≥"
+        shown = f"{t['value']:.1%}" if key == "orchestration_overhead_frac" else f"{t['value']:.2f}x"
+        target = f"{t['target']:.0%}" if key == "orchestration_overhead_frac" else f"{t['target']:.1f}x"
+        checks.append(f"- {names[key]}: **{shown}** (target {op} {target}: {'met' if t['met'] else 'missed'})")
+    c, m, v = report["config"], report["machine"], report["versions"]
+    loads = ", ".join(f"{LABELS[n]} {s['load_avg_before'][0]:.1f}" for n, s in report["systems"].items())
+    return "\n".join([
+        BEGIN,
+        f"Generated by `python -m benchmarks.runtime` on {report['created']}: {c['steps']} steps per system, "
+        f"first {c['warmup_steps_excluded']} excluded; {c['prompts_per_step']} prompts x {c['samples_per_prompt']} "
+        f"samples = {c['sequences_per_step']} sequences per step, {c['max_response_length']} response tokens max, "
+        f"minibatch {c['mini_batch_size']}, lr {c['lr']:g}, {c['torch_threads_per_process']} torch thread(s) per "
+        f"process. Machine: {m['cpus']} CPUs, {m['memory_gib']} GiB, {m['gpu']}; 1-minute load average at each "
+        f"start: {loads}. torch {v['torch']}, ray {v['ray']}, transformers {v['transformers']}, trl {v['trl']}.",
+        "",
+        *rows,
+        "",
+        *checks,
+        "",
+        "![step times and tokens/s](results/runtime.png)",
+        END,
+    ])
+
+
+README_TEMPLATE = """# Benchmarks
+
+## Runtime: hybridflow vs a naive Ray loop vs TRL
+
+`make bench-runtime` (or `python -m benchmarks.runtime [--steps N] [--quick]`) trains the same GRPO job,
+`examples/tiny-grpo.yaml` (the built-in tiny Llama and task), with three systems one after the other, each in
+a fresh process: **hybridflow** (single controller, actor + reference + reward co-located in one worker
+process), a **naive Ray** loop (`benchmarks/naive_ray.py`: one actor per role, every batch fetched by the
+driver and put back into the object store; same worker classes, so the compute is identical and only the
+orchestration differs) and **TRL's GRPOTrainer** in one process (same model directory, reward function,
+batch, group size, completion length, learning rate and number of optimiser steps; no vLLM, no logging,
+evaluation or checkpoints).
+
+What is measured, after excluding the first two (warm-up) steps: **tokens/s** is response tokens generated
+(up to and including EOS) divided by step time, summed over the measured steps; **step time** is one RL step
+(sample prompts, generate, score, reference and old log-probs, advantages, optimiser steps); **orchestration
+overhead** is the share of the step not spent in compute on the critical path (hybridflow's own metric; the
+same definition for the naive loop; for TRL the time outside generate, forward, backward, optimiser and
+reward); **peak RSS** is the largest sum of resident memory over every process involved (driver, Ray's
+daemons and workers, sampled every 0.25 s; shared pages count once per process). Full figures, per-step
+curves and the compute breakdown are in `results/runtime.json`.
+
+{block}
+"""
+
+
+def write_readme(report: dict[str, Any], path: Path) -> None:
+    """Replace the block between the markers, or create the file around it."""
+    block = markdown(report)
+    if path.is_file():
+        text = path.read_text()
+        if BEGIN in text and END in text:
+            head, rest = text.split(BEGIN, 1)
+            text = head + block + rest.split(END, 1)[1]
+        else:
+            text = text.rstrip() + "\n\n" + block + "\n"
+    else:
+        text = README_TEMPLATE.format(block=block)
+    path.write_text(text)
+
+
+def plot(report: dict[str, Any], out: Path) -> Path:
+    """Step time per step, tokens/s, reward per step, and where a median step's time goes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = report["systems"]
+    warmup = report["config"]["warmup_steps_excluded"]
+    colors = {"hybridflow": "tab:blue", "naive_ray": "tab:orange", "trl": "tab:green"}
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0][0]
+    for name, s in systems.items():
+        ys = s["curves"]["step_s"]
+        ax.plot(range(1, len(ys) + 1), ys, marker=".", label=LABELS[name], color=colors[name])
+    ax.axvspan(0.5, warmup + 0.5, color="grey", alpha=0.15, label="warm-up (excluded)")
+    ax.set(title="step time", xlabel="step", ylabel="seconds", yscale="log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    ax = axes[0][1]
+    names = list(systems)
+    vals = [systems[n]["tokens_per_s"] for n in names]
+    bars = ax.bar([LABELS[n] for n in names], vals, color=[colors[n] for n in names])
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set(title="response tokens/s (after warm-up)", ylabel="tokens/s")
+    ax.grid(alpha=0.3, axis="y")
+    ax = axes[1][0]
+    for name, s in systems.items():
+        ys = s["curves"]["reward_mean"]
+        ax.plot(range(1, len(ys) + 1), ys, marker=".", label=LABELS[name], color=colors[name])
+    ax.set(title="reward_mean (same task and reward function)", xlabel="step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    ax = axes[1][1]
+    for i, name in enumerate(names):
+        s = systems[name]
+        frac = s["orchestration_overhead_frac"] or 0.0
+        compute = s["median_step_s"] * (1 - frac)
+        ax.bar(i, compute, color=colors[name], label="compute" if i == 0 else None)
+        ax.bar(i, s["median_step_s"] - compute, bottom=compute, color="lightgrey", hatch="//",
+               label="orchestration" if i == 0 else None)
+        ax.text(i, s["median_step_s"], f"{frac:.0%}", ha="center", va="bottom")
+    ax.set_xticks(range(len(names)), [LABELS[n] for n in names])
+    ax.set(title="median step: compute vs orchestration", ylabel="seconds")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{report['config']['job']}: {report['config']['sequences_per_step']} sequences/step, "
+                 f"{report['machine']['cpus']} CPUs")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+# -- command line -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.runtime", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=30, help="RL steps per system (default 30)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 steps, outputs under runs/ only")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--out-dir", type=Path, help="where runtime.json and runtime.png go (default benchmarks/results)")
+    p.add_argument("--readme", type=Path, help="Markdown file whose generated block is updated")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per system")
+    p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    steps = 4 if args.quick else args.steps
+    if steps <= WARMUP:
+        p.error(f"--steps must exceed the {WARMUP} warm-up steps")
+    if args.worker:
+        raw = run_system(args.worker, steps, args.workdir)
+        (args.workdir / f"{args.worker}.json").write_text(json.dumps(raw))
+        return 0
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    out_dir = args.out_dir or (QUICK_OUT if args.quick else RESULTS)
+    readme = args.readme or (None if args.quick else README)
+    workdir = ROOT / "runs" / ("bench-runtime-quick" if args.quick else "bench-runtime")
+    workdir.mkdir(parents=True, exist_ok=True)
+    from hybridflow.data.tiny import ensure_tiny_model
+
+    ensure_tiny_model()
+    summaries = {}
+    for system in systems:
+        print(f"[bench] {LABELS[system]}: {steps} steps ...", flush=True)
+        raw = launch(system, steps, workdir, args.timeout)
+        summaries[system] = summarise(raw, WARMUP)
+        s = summaries[system]
+        print(f"[bench] {LABELS[system]}: {s['tokens_per_s']:.0f} tokens/s, median step {s['median_step_s']:.3f} s, "
+              f"overhead {_fmt(s['orchestration_overhead_frac'], '.1%')}, peak RSS {s['peak_rss_mib']:.0f} MiB, "
+              f"wall {s['wall_s']:.0f} s", flush=True)
+    report = build_report(summaries, steps, WARMUP)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "runtime.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out_dir / "runtime.png")
+    if readme is not None:
+        write_readme(report, readme)
+    print(json.dumps({k: report[k] for k in ("ratio_vs_naive_ray", "ratio_vs_trl", "orchestration_overhead_frac")}))
+    print(f"[bench] wrote {out_dir / 'runtime.json'}, {out_dir / 'runtime.png'}"
+          + (f", {readme}" if readme else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""TRL's GRPOTrainer on the same tiny model, task, batch and step count, in one process, timed per RL step.
+
+One RL step is what hybridflow calls a step: one generation batch of prompts * samples completions, scored,
+then `ppoEpochs * ceil(batch / miniBatchSize)` optimiser steps. TRL reaches that with
+per_device_train_batch_size = miniBatchSize and steps_per_generation = batch / miniBatchSize.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.data.prompts import load_rows
+from hybridflow.data.tiny import resolve_model_path, tiny_task_reward
+
+
+def optimizer_steps_per_rl_step(spec: RLTrainingJobSpec) -> tuple[int, int]:
+    """(minibatch size, optimiser steps per generation batch) for the spec's batch and miniBatchSize."""
+    total = spec.data.batch_size * spec.rollout.samples_per_prompt
+    mbs = spec.algorithm.mini_batch_size or total
+    if total % mbs:
+        raise ValueError(f"TRL needs the batch ({total}) to be a multiple of miniBatchSize ({mbs})")
+    return mbs, total // mbs
+
+
+class _Clock:
+    """Outermost-only timers by name, so nested timed calls are not counted twice."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        self.depth += 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def take(self) -> dict[str, float]:
+        out, self.seconds = self.seconds, {}
+        return out
+
+
+def run_trl(spec: RLTrainingJobSpec, steps: int, threads: int = 1) -> dict[str, Any]:
+    """Train `steps` RL steps with GRPOTrainer; returns per-step records in hybridflow's metric names."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOConfig, GRPOTrainer
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(threads)
+    torch.manual_seed(spec.trainer.seed)
+    mbs, per_gen = optimizer_steps_per_rl_step(spec)
+    opt_steps = per_gen * spec.algorithm.ppo_epochs
+    clock = _Clock()
+    rewards: list[tuple[float, float]] = []  # (mean score, response tokens) per generation batch
+
+    def tiny_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+                    answer: list[str], **_: Any) -> list[float]:
+        scores = [tiny_task_reward(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
+        rewards.append((sum(scores) / len(scores), float(sum(len(ids) for ids in completion_ids))))
+        return scores
+
+    class Timed(GRPOTrainer):
+        """Times generation, forward passes, loss, reward and backward; the rest is the trainer's own work."""
+
+        def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+            with clock.time("generate"):
+                return super()._generate_single_turn(*args, **kwargs)
+
+        def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> Any:
+            with clock.time("forward"):
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+        def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+            with clock.time("loss_forward"):
+                return super().compute_loss(*args, **kwargs)
+
+        def _calculate_rewards(self, *args: Any, **kwargs: Any) -> Any:
+            with clock.time("reward"):
+                return super()._calculate_rewards(*args, **kwargs)
+
+    ends: list[float] = []
+    begins: list[float] = []
+    compute: list[dict[str, float]] = []
+
+    class StepClock(TrainerCallback):
+        """An RL step runs from the first optimiser step's begin to the last one's end."""
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step % opt_steps == 0:
+                begins.append(time.perf_counter())
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.t_opt = time.perf_counter()
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            clock.seconds["optimizer"] = clock.seconds.get("optimizer", 0.0) + time.perf_counter() - self.t_opt
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step % opt_steps == 0:
+                ends.append(time.perf_counter())
+                compute.append(clock.take())
+
+    rows = load_rows(spec.data.train, spec.data.prompt_key, spec.data.answer_key, spec.trainer.seed)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    algo = spec.algorithm
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as out:
+        config = GRPOConfig(
+            output_dir=out, max_steps=steps * opt_steps, per_device_train_batch_size=mbs,
+            steps_per_generation=per_gen, num_iterations=algo.ppo_epochs, gradient_accumulation_steps=1,
+            num_generations=spec.rollout.samples_per_prompt, max_completion_length=spec.data.max_response_length,
+            temperature=spec.rollout.temperature, top_p=spec.rollout.top_p, top_k=0,
+            learning_rate=spec.trainer.actor_lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            max_grad_norm=spec.trainer.max_grad_norm, beta=algo.kl_penalty.coef, epsilon=algo.clip_ratio,
+            loss_type="bnpo", scale_rewards="group" if algo.normalize_advantages else "none",
+            use_vllm=False, use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False,
+            gradient_checkpointing=False, model_init_kwargs={"dtype": spec.model.policy.dtype},
+            logging_strategy="no", save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
+            log_completions=False, dataloader_num_workers=0, seed=spec.trainer.seed,
+        )
+        trainer = Timed(
+            model=resolve_model_path(spec.model.policy.path), reward_funcs=tiny_reward, args=config,
+            train_dataset=dataset, callbacks=[StepClock()],
+        )
+        backward: Callable[..., Any] = trainer.accelerator.backward
+
+        def timed_backward(*args: Any, **kwargs: Any) -> Any:
+            with clock.time("backward"):
+                return backward(*args, **kwargs)
+
+        trainer.accelerator.backward = timed_backward
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+    records = []
+    for i, (b, e) in enumerate(zip(begins, ends, strict=False)):
+        elapsed = e - b
+        parts = compute[i]
+        mean_score, tokens = rewards[i]
+        busy = sum(parts.values())
+        records.append({
+            "step": i + 1, "reward_mean": mean_score, "tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "timing/step": elapsed, **{f"timing/{k}": v for k, v in parts.items()},
+            "orchestration_overhead_frac": max(0.0, 1.0 - busy / elapsed),
+        })
+    return {"records": records, "train_wall_s": wall, "torch_threads": threads,
+            "optimizer_steps_per_rl_step": opt_steps, "minibatch": mbs}

@@ -1,0 +1,89 @@
+"""The RLTrainingJob models: defaults, camelCase, and one clear message per problem."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hybridflow.api import RLTrainingJob, SpecError, load_job, parse_job
+from tests.conftest import EXAMPLES
+
+
+@pytest.mark.parametrize("name", ["ppo-job.yaml", "grpo-job.yaml", "tiny-ppo.yaml", "tiny-grpo.yaml"])
+def test_examples_parse(name: str) -> None:
+    job = load_job(EXAMPLES / name)
+    assert job.kind == "RLTrainingJob"
+    assert job.spec.algorithm.name in ("ppo", "grpo")
+
+
+def test_camel_case_round_trip(example_doc) -> None:
+    doc = example_doc("ppo-job.yaml")
+    job = parse_job(doc)
+    assert job.spec.algorithm.clip_ratio == 0.2
+    out = job.model_dump(by_alias=True, exclude_none=True)
+    assert out["spec"]["algorithm"]["clipRatio"] == 0.2
+    assert out["spec"]["cluster"]["workerGroups"][0]["gpusPerWorker"] == 8
+    assert "status" not in out
+    assert parse_job(out) == job
+
+
+def test_defaults_fill_an_empty_spec() -> None:
+    job = parse_job({"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLTrainingJob", "metadata": {"name": "x"}})
+    assert job.spec.rollout.engine == "torch"
+    assert job.spec.trainer.resume == "auto"
+    assert job.spec.scheduling.queue_high_watermark == 100
+
+
+def test_every_problem_is_reported_with_its_path(example_doc) -> None:
+    doc = example_doc("tiny-ppo.yaml")
+    doc["spec"]["rollout"]["engine"] = "sglang"
+    doc["spec"]["data"]["batchSize"] = 0
+    doc["spec"]["trainer"]["totalStep"] = 3
+    with pytest.raises(SpecError) as info:
+        parse_job(doc)
+    problems = info.value.problems
+    assert len(problems) == 3
+    assert any(p.startswith("spec.rollout.engine:") and "'torch' or 'vllm'" in p for p in problems)
+    assert any(p.startswith("spec.data.batchSize:") and "greater than or equal to 1" in p for p in problems)
+    assert any(p.startswith("spec.trainer.totalStep: unknown field") for p in problems)
+
+
+def test_cross_field_rules(example_doc) -> None:
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["rollout"]["samplesPerPrompt"] = 1
+    with pytest.raises(SpecError, match="samplesPerPrompt must be at least 2 for grpo"):
+        parse_job(doc)
+    doc = example_doc("tiny-ppo.yaml")
+    doc["spec"]["algorithm"]["miniBatchSize"] = 10_000
+    with pytest.raises(SpecError, match=r"miniBatchSize"):
+        parse_job(doc)
+    doc = example_doc("tiny-ppo.yaml")
+    doc["spec"]["reward"] = {"type": "model"}
+    with pytest.raises(SpecError, match=r"reward\.model\.path is required"):
+        parse_job(doc)
+
+
+def test_malformed_yaml_and_wrong_documents(tmp_path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("spec: [a\n")
+    with pytest.raises(SpecError, match="malformed YAML: line 2"):
+        load_job(bad)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(SpecError, match="expected a mapping"):
+        load_job(bad)
+    with pytest.raises(SpecError, match="file not found"):
+        load_job(tmp_path / "missing.yaml")
+
+
+def test_api_imports_neither_torch_nor_ray() -> None:
+    code = "import sys, hybridflow.api, hybridflow.graph; print('torch' in sys.modules, 'ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_status_is_ignored_when_read_from_a_file(example_doc) -> None:
+    doc = example_doc("tiny-ppo.yaml")
+    doc["status"] = {"phase": "Running"}
+    assert isinstance(parse_job(doc), RLTrainingJob)
