@@ -87,6 +87,11 @@ def run_system(system: str, steps: int, workdir: Path) -> dict[str, Any]:
                 for r in records:
                     r["tokens"] = r["tokens_per_s"] * r["timing/step"]
                 extra["metrics_jsonl"] = str(metrics)
+            elif system == "profile":
+                from benchmarks.profile_hybridflow import profile_hybridflow
+
+                return {"system": system, "profile": profile_hybridflow(job, steps, WARMUP),
+                        "wall_s": time.perf_counter() - t0}
             elif system == "naive_ray":
                 from benchmarks.naive_ray import run_naive
 
@@ -111,30 +116,53 @@ class RssSampler(threading.Thread):
         self.pid, self.interval_s = pid, interval_s
         self.peak_bytes = 0
         self.peak_processes = 0
+        self.peak_by_process: dict[str, float] = {}
         self._done = threading.Event()
 
-    def sample(self) -> tuple[int, int]:
+    def _tree(self) -> list[Any]:
         import psutil
 
         try:
             root = psutil.Process(self.pid)
-            procs = [root, *root.children(recursive=True)]
+            return [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
-            return 0, 0
-        total, alive = 0, 0
-        for p in procs:
+            return []
+
+    def _label(self, proc: Any) -> str:
+        """`driver`, a Ray worker's class (`ray::WorkerHost`, `ray::IDLE`) or the executable's name."""
+        if proc.pid == self.pid:
+            return "driver"
+        cmd = proc.cmdline()
+        if cmd and cmd[0].startswith("ray::"):
+            return cmd[0].split()[0].split(".")[0]
+        return proc.name()
+
+    def sample(self) -> None:
+        import psutil
+
+        rss: list[tuple[Any, int]] = []
+        for p in self._tree():
             try:
-                total += p.memory_info().rss
-                alive += 1
+                rss.append((p, p.memory_info().rss))
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-        return total, alive
+        total = sum(r for _, r in rss)
+        self.peak_processes = max(self.peak_processes, len(rss))
+        if total <= self.peak_bytes:
+            return
+        self.peak_bytes = total
+        by: dict[str, float] = {}
+        for p, r in rss:
+            try:
+                label = self._label(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                label = "exited"
+            by[label] = by.get(label, 0.0) + r / 2**20
+        self.peak_by_process = {k: round(v, 1) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
 
     def run(self) -> None:
         while not self._done.is_set():
-            total, count = self.sample()
-            self.peak_bytes = max(self.peak_bytes, total)
-            self.peak_processes = max(self.peak_processes, count)
+            self.sample()
             self._done.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -142,13 +170,14 @@ class RssSampler(threading.Thread):
         self.join()
 
 
-def launch(system: str, steps: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
+def launch(system: str, steps: int, workdir: Path, timeout_s: float, tag: str = "") -> dict[str, Any]:
     """Run one system in a child process; returns its raw result plus peak RSS and load averages."""
-    result_path = workdir / f"{system}.json"
-    log_path = workdir / f"{system}.log"
+    name = f"{system}{tag}"
+    result_path = workdir / f"{name}.json"
+    log_path = workdir / f"{name}.log"
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.runtime", "--worker", system, "--steps", str(steps),
-           "--workdir", str(workdir)]
+           "--workdir", str(workdir), "--result", str(result_path)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     load_before = os.getloadavg()
     with log_path.open("w") as log:
@@ -167,7 +196,7 @@ def launch(system: str, steps: int, workdir: Path, timeout_s: float) -> dict[str
         raise RuntimeError(f"{system} failed (exit {rc}); last lines of {log_path}:\n{tail}")
     raw = json.loads(result_path.read_text())
     raw.update(peak_rss_bytes=sampler.peak_bytes, peak_processes=sampler.peak_processes,
-               load_avg_before=list(load_before), load_avg_after=list(os.getloadavg()))
+               peak_rss_by_process_mib=sampler.peak_by_process, load_avg_before=list(load_before), load_avg_after=list(os.getloadavg()))
     return raw
 
 
@@ -175,36 +204,38 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def summarise(raw: dict[str, Any], warmup: int) -> dict[str, Any]:
-    """Figures over the steps after warm-up: tokens/s is total response tokens / total step time."""
-    recs = raw["records"]
-    measured = recs[warmup:] or recs
+def summarise(raws: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Figures over the steps after warm-up, pooled over rounds: tokens/s is total tokens / total step time."""
+    measured = [r for raw in raws for r in (raw["records"][warmup:] or raw["records"])]
     steps_s = [r["timing/step"] for r in measured]
     tokens = [r["tokens"] for r in measured]
-    rewards = [r["reward_mean"] for r in recs]
+    rewards = [r["reward_mean"] for r in raws[0]["records"]]
     head = min(3, len(rewards))
     timing_keys = sorted({k for r in measured for k in r if k.startswith("timing/") and k != "timing/step"})
     overhead = [r["orchestration_overhead_frac"] for r in measured if r.get("orchestration_overhead_frac") is not None]
+    first = raws[0]
     return {
+        "rounds": len(raws),
         "measured_steps": len(measured),
         "tokens_per_s": sum(tokens) / sum(steps_s),
         "tokens_per_s_median": _median([r["tokens"] / r["timing/step"] for r in measured]),
         "median_step_s": _median(steps_s),
         "p90_step_s": sorted(steps_s)[int(0.9 * (len(steps_s) - 1))],
         "orchestration_overhead_frac": _median(overhead),
-        "overhead_definition": OVERHEAD_DEFINITIONS[raw["system"]],
-        "peak_rss_mib": raw["peak_rss_bytes"] / 2**20,
-        "peak_processes": raw["peak_processes"],
+        "overhead_definition": OVERHEAD_DEFINITIONS[first["system"]],
+        "peak_rss_mib": max(raw["peak_rss_bytes"] for raw in raws) / 2**20,
+        "peak_processes": max(raw["peak_processes"] for raw in raws),
+        "peak_rss_by_process_mib": first["peak_rss_by_process_mib"],
         "response_tokens_per_step": _median(tokens),
         "reward_start": sum(rewards[:head]) / head,
         "reward_end": sum(rewards[-head:]) / head,
         "median_timings_s": {k: _median([r[k] for r in measured if k in r]) for k in timing_keys},
-        "wall_s": raw["wall_s"],
-        "load_avg_before": raw["load_avg_before"],
-        "load_avg_after": raw["load_avg_after"],
-        "curves": {"step_s": [r["timing/step"] for r in recs], "reward_mean": rewards,
-                   "tokens_per_s": [r["tokens"] / r["timing/step"] for r in recs]},
-        **{k: raw[k] for k in ("batch_shape", "torch_threads", "optimizer_steps_per_rl_step") if k in raw},
+        "wall_s": [raw["wall_s"] for raw in raws],
+        "load_avg_1min_at_start": [raw["load_avg_before"][0] for raw in raws],
+        "curves": {"step_s": [[r["timing/step"] for r in raw["records"]] for raw in raws],
+                   "reward_mean": rewards,
+                   "tokens_per_s": [[r["tokens"] / r["timing/step"] for r in raw["records"]] for raw in raws]},
+        **{k: first[k] for k in ("batch_shape", "torch_threads", "optimizer_steps_per_rl_step") if k in first},
     }
 
 
@@ -425,21 +456,26 @@ def plot(report: dict[str, Any], out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.runtime", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=30, help="RL steps per system (default 30)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 4 steps, outputs under runs/ only")
+    p.add_argument("--steps", type=int, default=30, help="RL steps per system and round (default 30)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="run the systems in turn this many times and pool the steps (default 2): "
+                        "interleaving evens out load from other processes on a shared machine")
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 steps, 1 round, outputs under runs/ only")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument("--no-profile", action="store_true", help="skip the breakdown of hybridflow's step")
     p.add_argument("--out-dir", type=Path, help="where runtime.json and runtime.png go (default benchmarks/results)")
     p.add_argument("--readme", type=Path, help="Markdown file whose generated block is updated")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per system")
-    p.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per system and round")
+    p.add_argument("--worker", choices=(*SYSTEMS, "profile"), help=argparse.SUPPRESS)
     p.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    steps = 4 if args.quick else args.steps
+    steps, rounds = (4, 1) if args.quick else (args.steps, args.rounds)
     if steps <= WARMUP:
         p.error(f"--steps must exceed the {WARMUP} warm-up steps")
     if args.worker:
         raw = run_system(args.worker, steps, args.workdir)
-        (args.workdir / f"{args.worker}.json").write_text(json.dumps(raw))
+        args.result.write_text(json.dumps(raw))
         return 0
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -452,16 +488,23 @@ def main(argv: list[str] | None = None) -> int:
     from hybridflow.data.tiny import ensure_tiny_model
 
     ensure_tiny_model()
-    summaries = {}
-    for system in systems:
-        print(f"[bench] {LABELS[system]}: {steps} steps ...", flush=True)
-        raw = launch(system, steps, workdir, args.timeout)
-        summaries[system] = summarise(raw, WARMUP)
-        s = summaries[system]
-        print(f"[bench] {LABELS[system]}: {s['tokens_per_s']:.0f} tokens/s, median step {s['median_step_s']:.3f} s, "
-              f"overhead {_fmt(s['orchestration_overhead_frac'], '.1%')}, peak RSS {s['peak_rss_mib']:.0f} MiB, "
-              f"wall {s['wall_s']:.0f} s", flush=True)
+    t_start = time.perf_counter()
+    raws: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    for r in range(rounds):
+        for system in systems:
+            print(f"[bench] round {r + 1}/{rounds}: {LABELS[system]}, {steps} steps ...", flush=True)
+            raws[system].append(launch(system, steps, workdir, args.timeout, f"-{r + 1}"))
+            s = summarise(raws[system][-1:], WARMUP)
+            print(f"[bench]   {s['tokens_per_s']:.0f} tokens/s, median step {s['median_step_s']:.3f} s, "
+                  f"overhead {_fmt(s['orchestration_overhead_frac'], '.1%')}, peak RSS {s['peak_rss_mib']:.0f} MiB, "
+                  f"wall {s['wall_s'][0]:.0f} s", flush=True)
+    summaries = {s: summarise(raws[s], WARMUP) for s in systems}
     report = build_report(summaries, steps, WARMUP)
+    report["config"]["rounds"] = rounds
+    if "hybridflow" in systems and not args.no_profile:
+        print(f"[bench] breakdown of hybridflow's step, {max(steps, 12)} steps ...", flush=True)
+        report["hybridflow_step_breakdown"] = launch("profile", max(steps, 12), workdir, args.timeout)["profile"]
+    report["bench_wall_s"] = round(time.perf_counter() - t_start, 1)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "runtime.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out_dir / "runtime.png")
@@ -469,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         write_readme(report, readme)
     print(json.dumps({k: report[k] for k in ("ratio_vs_naive_ray", "ratio_vs_trl", "orchestration_overhead_frac")}))
     print(f"[bench] wrote {out_dir / 'runtime.json'}, {out_dir / 'runtime.png'}"
-          + (f", {readme}" if readme else ""))
+          + (f", {readme}" if readme else "") + f" in {report['bench_wall_s']:.0f} s")
     return 0
 
 

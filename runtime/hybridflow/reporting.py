@@ -48,7 +48,7 @@ class ProgressReporter:
 
     def __init__(self, name: str, namespace: str, patcher: Patcher, interval_s: float = 5.0) -> None:
         self.name, self.namespace, self.patcher, self.interval_s = name, namespace, patcher, interval_s
-        self._last = 0.0
+        self._last: float | None = None
         self.failures = 0
 
     @classmethod
@@ -68,7 +68,7 @@ class ProgressReporter:
     def report(self, step: int, total_steps: int, metrics: dict[str, Any], last_checkpoint: str | None,
                force: bool = False) -> bool:
         now = time.monotonic()
-        if not force and now - self._last < self.interval_s:
+        if not force and self._last is not None and now - self._last < self.interval_s:
             return False
         self._last = now
         try:

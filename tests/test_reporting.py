@@ -1,0 +1,43 @@
+"""status.progress reporting: throttled, shaped like the CRD's status, and never fatal."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from hybridflow.api import RLTrainingJobStatus
+from hybridflow.reporting import ProgressReporter, progress_patch
+
+
+def test_patch_touches_only_progress_in_camel_case() -> None:
+    body = progress_patch(3, 10, {"reward_mean": 0.5, "kl": 0.01, "tokens_per_s": 1200.0}, "/ckpt/step_3",
+                          now=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))
+    assert list(body) == ["status"] and list(body["status"]) == ["progress"]
+    progress = body["status"]["progress"]
+    assert progress == {"step": 3, "totalSteps": 10, "rewardMean": 0.5, "kl": 0.01, "tokensPerSecond": 1200.0,
+                        "lastCheckpoint": "/ckpt/step_3", "updatedAt": "2026-01-02T03:04:05Z"}
+    assert RLTrainingJobStatus.model_validate(body["status"]).progress.step == 3
+
+
+def test_reports_are_throttled_but_the_last_one_is_forced() -> None:
+    sent = []
+    r = ProgressReporter("job", "ns", lambda ns, name, body: sent.append((ns, name, body)), interval_s=3600)
+    assert r.report(1, 5, {}, None)
+    assert not r.report(2, 5, {}, None)
+    assert r.report(5, 5, {}, None, force=True)
+    assert [b["status"]["progress"]["step"] for _, _, b in sent] == [1, 5]
+    assert sent[0][:2] == ("ns", "job")
+
+
+def test_a_failing_patch_never_raises() -> None:
+    def broken(ns: str, name: str, body: dict) -> None:
+        raise ConnectionError("apiserver unreachable")
+
+    r = ProgressReporter("job", "ns", broken, interval_s=0)
+    assert not r.report(1, 5, {"reward_mean": 0.1}, None)
+    assert not r.report(2, 5, {"reward_mean": 0.1}, None)
+    assert r.failures == 2
+
+
+def test_inactive_outside_a_cluster(monkeypatch) -> None:
+    monkeypatch.delenv("HYBRIDFLOW_JOB_NAME", raising=False)
+    assert ProgressReporter.from_env() is None
