@@ -68,8 +68,8 @@ def test_run_names_missing_paths_and_unimportable_reward(tmp_path, example_doc) 
     doc["spec"]["reward"]["function"] = "no_such_module:score"
     doc["spec"]["data"]["train"] = str(tmp_path / "missing.parquet")
     out = hybridflow("run", write(tmp_path, doc), "--quiet")
-    assert_clean_failure(out, "3 problems", "spec.model.policy.path: no HF model", "spec.reward.function: cannot import",
-                         "spec.data.train: file not found")
+    assert_clean_failure(out, "3 problems", "spec.model.policy.path: no HF model",
+                         "spec.reward.function: cannot import", "spec.data.train: file not found")
 
 
 @pytest.mark.slow

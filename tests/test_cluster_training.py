@@ -1,0 +1,87 @@
+"""Several real raylets on one machine (logical GPUs): placement, co-location, DP ranks, backpressure."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from hybridflow.api import parse_job
+from hybridflow.trainer import Trainer
+from tests.conftest import ROOT
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    for i in range(2):
+        c.add_node(num_cpus=3, num_gpus=2, resources={f"gpu_node_{i}": 1})
+    c.wait_for_nodes()
+    ray.init(address=c.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "HYBRIDFLOW_TORCH_THREADS": "1"}})
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def graph() -> dict:
+    return {
+        "nodes": [
+            {"name": "actor_rollout", "role": "actor_rollout", "resources": {"GPU": 0.5, "CPU": 1},
+             "parallelism": 2, "pool": "actor"},
+            {"name": "reference", "role": "reference", "resources": {"GPU": 0.25}, "parallelism": 2, "pool": "actor"},
+            {"name": "reward", "role": "reward", "resources": {"CPU": 1}, "parallelism": 1, "pool": "reward"},
+            {"name": "critic", "role": "critic", "resources": {"GPU": 1}, "parallelism": 2, "pool": "critic"},
+        ],
+        "edges": [
+            {"src": "actor_rollout", "dst": "reference", "coLocate": True},
+            {"src": "actor_rollout", "dst": "reward", "dataType": "rollout_batch"},
+            {"src": "actor_rollout", "dst": "critic", "dataType": "rollout_batch"},
+            {"src": "critic", "dst": "actor_rollout", "dataType": "updated_policy", "control": True},
+        ],
+    }
+
+
+def test_plan_runs_across_raylets_with_backpressure(cluster, example_doc, tmp_path) -> None:
+    doc = example_doc("tiny-ppo.yaml")
+    doc["metadata"]["name"] = "cluster-ppo"
+    doc["spec"]["graph"] = graph()
+    doc["spec"]["reward"]["function"] = "tests.slow_reward:score"
+    doc["spec"]["data"]["batchSize"] = 64
+    doc["spec"]["algorithm"]["miniBatchSize"] = 32
+    doc["spec"]["trainer"].update(totalSteps=3, checkpoint={"every": 0, "path": str(tmp_path / "c")})
+    doc["spec"]["scheduling"] = {"microBatchSize": 4, "queueHighWatermark": 3, "backpressureWindow": 1,
+                                 "placementTimeoutSeconds": 60}
+    job = parse_job(doc)
+    trainer = Trainer(job.model_dump(by_alias=True, mode="json"), str(tmp_path / "m.jsonl"))
+    try:
+        result = trainer.fit()
+        status = trainer.scheduler.get_status()
+    finally:
+        trainer.shutdown()
+    assert result["steps"] == 3
+    assert trainer.accelerator == "GPU"
+
+    gpu_nodes = {n["NodeID"] for n in ray.nodes() if n["Resources"].get("GPU")}
+    nodes = status["nodes"]
+    # co-location: actor_rollout_i and reference_i are one process on one GPU node
+    for a, r in zip(nodes["actor_rollout"]["workers"], nodes["reference"]["workers"], strict=True):
+        assert a["pid"] == r["pid"] and a["node_id"] == r["node_id"] and a["node_id"] in gpu_nodes
+        assert (f"Scheduling decision: co-located actor_rollout_{a['instance']} and reference_{a['instance']} "
+                f"on node {a['node_id']}") in status["decisions"]
+    # critic ranks: whole GPUs, two ranks, each with its own logical GPU on a GPU node
+    critic = nodes["critic"]["workers"]
+    assert len(critic) == 2 and all(w["node_id"] in gpu_nodes for w in critic)
+    assert all(len(w["gpu_ids"]) == 1 for w in critic)
+    assert len({(w["node_id"], w["gpu_ids"][0]) for w in critic}) == 2
+    assert any(d.startswith("Scheduling decision: stage") and "critic" in d for d in status["decisions"])
+    # backpressure: the slow reward's queue crossed the watermark and the scheduler acted on it
+    events = status["backpressure"]
+    assert events, status["edges"]
+    raised = [e for e in events if e["node"] == "reward" and e["action"] == "raise_downstream" and e["applied"]]
+    assert raised and "actor_rollout->reward" in raised[0]["reason"]
+    assert nodes["reward"]["parallelism"] >= 2
+    assert any(d.startswith("Backpressure: reward parallelism 1 -> 2") for d in status["decisions"])
+    lat = status["edges"]["actor_rollout->reward"]["latency"]
+    assert lat["count"] > 0 and lat["p95_s"] >= lat["mean_s"] > 0
