@@ -107,3 +107,13 @@ def test_spec_graph_round_trip() -> None:
         (n.name, n.resources, n.parallelism) for n in g.nodes
     ]
     assert [e.key for e in again.edges] == [e.key for e in g.edges]
+
+
+def test_nodes_are_pinned_to_their_worker_group_when_the_cluster_advertises_it() -> None:
+    from hybridflow.graph import pin_to_pools
+
+    g = pin_to_pools(design_graph(), {"GPU": 16, "pool_default": 8})
+    assert g.get("actor_rollout").resources == {"GPU": 0.5, "pool_default": 0.5}
+    assert g.get("critic_train").resources == {"GPU": 1, "pool_default": 1}
+    untouched = pin_to_pools(design_graph(), {"GPU": 16})
+    assert "pool_default" not in untouched.get("actor_rollout").resources

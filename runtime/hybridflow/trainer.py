@@ -21,7 +21,7 @@ from hybridflow import algos, checkpoint
 from hybridflow.advantages import compute_advantages
 from hybridflow.api.spec import RLTrainingJob, RLTrainingJobSpec
 from hybridflow.data.prompts import PromptSampler, load_rows
-from hybridflow.graph import DataflowGraph, Node, graph_for
+from hybridflow.graph import DataflowGraph, Node, graph_for, pin_to_pools
 from hybridflow.metrics import MetricsLog, plot_metrics
 from hybridflow.reporting import ProgressReporter
 from hybridflow.scheduler import HybridScheduler
@@ -87,7 +87,8 @@ class Trainer:
         if accelerator == "auto":
             accelerator = "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
         self.accelerator = accelerator
-        self.graph = graph_for(self.spec, accelerator, parallelism, critic_parallelism)
+        self.graph = pin_to_pools(graph_for(self.spec, accelerator, parallelism, critic_parallelism),
+                                  ray.cluster_resources())
         self.plan = plan_steps(self.graph, self.spec)
         t = self.spec.trainer
         self.scheduler = HybridScheduler(self.graph, self.spec.scheduling, max_restarts=t.worker_max_restarts,
