@@ -1,9 +1,9 @@
 """Fixtures that give tests a real Kubernetes control plane.
 
-`control_plane`: etcd + kube-apiserver with KubeRay's CRDs and ours (crds/) installed.
-`full_cluster`: the same plus controller-manager, scheduler, kwok fake GPU nodes and the KubeRay
-operator. Both are session-scoped and share one control plane: when any selected test asks for
-`full_cluster`, the session starts the full one once instead of running two side by side.
+`control_plane`: etcd + kube-apiserver with KubeRay's CRDs and ours (crds/) installed, and no
+controllers at all (as envtest): tests may play the controllers' part themselves.
+`full_cluster`: a separate control plane with controller-manager, scheduler, kwok fake GPU nodes
+and the KubeRay operator. Both are session-scoped and started on first use.
 
 Missing binaries are built with e2e/toolchain/build.sh when Go is installed, right after
 collection (a cold build outlasts any per-test timeout). Without Go the tests skip with
@@ -31,7 +31,7 @@ from e2e.harness import binaries  # noqa: E402
 from e2e.harness.controlplane import ControlPlane, StartupError  # noqa: E402
 
 CRDS_DIR = ROOT / "crds"
-CLUSTER_FIXTURES = {"control_plane", "full_cluster", "_session_cluster"}
+CLUSTER_FIXTURES = {"control_plane", "full_cluster", "kuberay_crds", "namespace"}
 HOW_TO_ENABLE = (
     "install Go >= 1.24 (the binaries are then built once into {cache}, 25-45 min on 2 cores, "
     "or run e2e/toolchain/build.sh), or set KUBEBUILDER_ASSETS to a directory holding etcd and "
@@ -97,6 +97,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         plan.skip_reason = _obtain(binaries.MINIMAL, config)
         if _may_build() or in_ci():
             _obtain(("kubectl",), config)  # a client of the server's version; PATH's may be older
+            if plan.full:
+                _obtain(("helm",), config)  # the cluster tests install the chart
         elif not (binaries.find("kubectl") or shutil.which("kubectl")):
             plan.skip_reason = plan.skip_reason or "kubectl not found: put it on PATH or in KUBEBUILDER_ASSETS"
         plan.kuberay_crds_skip_reason = _obtain(("kuberay-crds",), config)
@@ -113,28 +115,27 @@ def _plan(request: pytest.FixtureRequest) -> Plan:
     return plan
 
 
-def _start(plan: Plan, tmp_path_factory: pytest.TempPathFactory, attempts: int = 3) -> ControlPlane:
-    """Start the control plane; ports are picked free but may be grabbed before use: then retry."""
+def _start(full: bool, tmp_path_factory: pytest.TempPathFactory, attempts: int = 3) -> ControlPlane:
+    """Start a control plane; ports are picked free but may be grabbed before use: then retry."""
     crd_dirs = [CRDS_DIR] if CRDS_DIR.is_dir() else []
+    stem = "full-cluster" if full else "control-plane"
     for attempt in range(1, attempts + 1):
-        work_dir = tmp_path_factory.mktemp("control-plane")  # pytest keeps the last few: logs stay readable
-        cp = ControlPlane(full=plan.full, work_dir=work_dir, crd_dirs=crd_dirs, allow_build=False)
+        work_dir = tmp_path_factory.mktemp(stem)  # pytest keeps the last few runs: logs stay readable
+        cp = ControlPlane(full=full, work_dir=work_dir, crd_dirs=crd_dirs, allow_build=False)
         try:
             return cp.start()
         except (StartupError, binaries.MissingBinariesError) as exc:
             if "address already in use" in str(exc) and attempt < attempts:
                 continue
-            pytest.fail(f"control plane did not start: {exc}", pytrace=False)
+            pytest.fail(f"{stem} did not start: {exc}", pytrace=False)
     raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="session")
-def _session_cluster(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ControlPlane]:
-    """The one control plane of this session (full only if a selected test needs it)."""
-    plan = _plan(request)
-    cp = _start(plan, tmp_path_factory)
+def control_plane(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd + kube-apiserver with CRDs installed, nothing else; `.kubeconfig`, `.kubectl(...)`, `.env`."""
+    _plan(request)
+    cp = _start(False, tmp_path_factory)
     try:
         yield cp
     finally:
@@ -142,22 +143,20 @@ def _session_cluster(
 
 
 @pytest.fixture(scope="session")
-def control_plane(_session_cluster: ControlPlane) -> ControlPlane:
-    """A running API server with CRDs installed; `.kubeconfig`, `.kubectl(...)`, `.env`."""
-    return _session_cluster
-
-
-@pytest.fixture(scope="session")
-def full_cluster(request: pytest.FixtureRequest, _session_cluster: ControlPlane) -> ControlPlane:
+def full_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
     """Everything, plus the default fake fleet (4x A100, 2x H100, 2 CPU nodes), all Ready."""
-    if not _session_cluster.full:
-        pytest.skip(_plan(request).full_skip_reason or "the full control plane is unavailable")
-    if not _session_cluster.fleet:
+    plan = _plan(request)
+    if not plan.full:
+        pytest.skip(plan.full_skip_reason or "the full control plane is unavailable")
+    cp = _start(True, tmp_path_factory)
+    try:
         try:
-            _session_cluster.create_gpu_fleet()
+            cp.create_gpu_fleet()
         except Exception as exc:
             pytest.fail(f"fake GPU fleet did not come up: {exc}", pytrace=False)
-    return _session_cluster
+        yield cp
+    finally:
+        cp.stop()
 
 
 @pytest.fixture
@@ -169,9 +168,12 @@ def kuberay_crds(request: pytest.FixtureRequest, control_plane: ControlPlane) ->
 
 
 @pytest.fixture
-def namespace(control_plane: ControlPlane) -> Iterator[str]:
-    """A fresh namespace per test (in a full cluster, Pods may be created in it right away)."""
+def namespace(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace in the cluster the test uses (full_cluster if it asks for it, else
+    control_plane); in a full cluster Pods may be created in it right away."""
+    fixture = "full_cluster" if "full_cluster" in request.fixturenames else "control_plane"
+    cp: ControlPlane = request.getfixturevalue(fixture)
     name = f"e2e-{uuid.uuid4().hex[:8]}"
-    control_plane.create_namespace(name)
+    cp.create_namespace(name)
     yield name
-    control_plane.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    cp.kubectl("delete", "namespace", name, "--wait=false", check=False)

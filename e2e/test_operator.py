@@ -1,14 +1,15 @@
 """The operator against a real kube-apiserver with KubeRay's real CRDs and ours.
 
 The operator runs as a subprocess (`python -m hybridflow_operator`), exactly as in its pod, so a
-restart is a real restart. KubeRay's operator does not run here: tests move a RayJob's status the
-way KubeRay would (status subresource) and check the RLTrainingJob follows.
+restart is a real restart. These tests use `control_plane`, which runs no controllers at all (not
+KubeRay, not the scheduler), so they can move a RayJob's status or a pod's scheduling verdict the way
+KubeRay and kube-scheduler would (status subresource) without racing them, in the same pytest
+session as the cluster tests (e2e/test_cluster_e2e.py), which use the separate `full_cluster`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -126,25 +127,14 @@ def crd(control_plane: ControlPlane) -> str:
 def operator(
     control_plane: ControlPlane, crd: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[OperatorProcess]:
+    # These tests play KubeRay's part; a KubeRay operator in the same control plane would race them.
+    assert "kuberay-operator" not in control_plane.processes, "control_plane must run no KubeRay operator"
     op = OperatorProcess(control_plane, tmp_path_factory.mktemp("operator") / "operator.log")
     op.start()
     try:
         yield op
     finally:
         op.stop()
-
-
-@pytest.fixture
-def plays_kuberay(control_plane: ControlPlane) -> None:
-    """For tests that write RayJob status themselves: KubeRay's own operator must not race them."""
-    if "kuberay-operator" in control_plane.processes:
-        why = (
-            "KubeRay's operator runs in this session and owns RayJob status; "
-            "run e2e/test_operator.py in a pytest session of its own"
-        )
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(why)  # under CI control-plane tests must run, never skip
-        pytest.skip(why)
 
 
 @pytest.fixture
@@ -324,7 +314,7 @@ def test_example_job_gets_its_owned_children_and_a_rayjob_kuberay_accepts(
 
 
 def test_status_follows_the_rayjob_as_kuberay_moves_it(
-    control_plane: ControlPlane, running: OperatorProcess, namespace: str, plays_kuberay: None
+    control_plane: ControlPlane, running: OperatorProcess, namespace: str
 ) -> None:
     cp = control_plane
     doc = example(namespace, "follow")
@@ -406,7 +396,7 @@ def test_status_follows_the_rayjob_as_kuberay_moves_it(
 
 
 def test_failed_rayjob_fails_the_job_with_kuberays_reason(
-    control_plane: ControlPlane, running: OperatorProcess, namespace: str, plays_kuberay: None
+    control_plane: ControlPlane, running: OperatorProcess, namespace: str
 ) -> None:
     cp = control_plane
     apply(cp, example(namespace, "fails"))
@@ -433,7 +423,7 @@ def test_failed_rayjob_fails_the_job_with_kuberays_reason(
 
 
 def test_unschedulable_ray_pod_is_surfaced(
-    control_plane: ControlPlane, running: OperatorProcess, namespace: str, plays_kuberay: None
+    control_plane: ControlPlane, running: OperatorProcess, namespace: str
 ) -> None:
     cp = control_plane
     apply(cp, example(namespace, "pending"))
@@ -489,7 +479,7 @@ def test_unschedulable_ray_pod_is_surfaced(
 
 
 def test_suspend_and_resume_reach_the_rayjob(
-    control_plane: ControlPlane, running: OperatorProcess, namespace: str, plays_kuberay: None
+    control_plane: ControlPlane, running: OperatorProcess, namespace: str
 ) -> None:
     cp = control_plane
     apply(cp, example(namespace, "pause"))

@@ -35,6 +35,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--gpu-products", help="JSON/YAML mapping gpuType -> nvidia.com/gpu.product values")
     p.add_argument("--runtime-image", help="image of the Ray pods when spec.cluster.image is empty")
     p.add_argument("--status-interval", help="seconds between safety-net resyncs")
+    p.add_argument("--standalone", action="store_true",
+                   help="accepted for clarity: the operator always runs standalone (one replica, no peering)")
     p.add_argument("--liveness", default=os.environ.get("HYBRIDFLOW_LIVENESS", DEFAULT_LIVENESS),
                    help=f"kopf liveness endpoint (default {DEFAULT_LIVENESS}; empty disables)")
     return p.parse_args(argv)
