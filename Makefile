@@ -57,5 +57,7 @@ clean:
 
 -include mk/crds.mk
 -include mk/bench.mk
+-include mk/bench-operator.mk
 
-bench: venv bench-runtime
+# Side-by-side benchmarks; results land in benchmarks/results and the tables in benchmarks/README.md.
+bench: venv toolchain bench-runtime bench-operator

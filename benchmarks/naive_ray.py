@@ -61,7 +61,7 @@ class NaiveResult:
 
 
 def run_naive(spec: RLTrainingJobSpec, steps: int, use_gpu: bool = False) -> NaiveResult:
-    """Train `steps` GRPO/PPO-without-critic steps; Ray must be initialised by the caller."""
+    """Train `steps` GRPO steps; Ray must be initialised by the caller."""
     if spec.algorithm.name != "grpo":
         raise ValueError("the naive baseline runs GRPO only (no critic)")
     # the actor class travels by value: workers need not have benchmarks/ on their path

@@ -75,7 +75,7 @@ def run_trl(spec: RLTrainingJobSpec, steps: int, threads: int = 1) -> dict[str, 
         return scores
 
     class Timed(GRPOTrainer):
-        """Times generation, forward passes, loss, reward and backward; the rest is the trainer's own work."""
+        """Times generation, forward passes, loss, reward, backward and clipping; the rest is the trainer's."""
 
         def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
             with clock.time("generate"):
@@ -92,6 +92,10 @@ def run_trl(spec: RLTrainingJobSpec, steps: int, threads: int = 1) -> dict[str, 
         def _calculate_rewards(self, *args: Any, **kwargs: Any) -> Any:
             with clock.time("reward"):
                 return super()._calculate_rewards(*args, **kwargs)
+
+        def _clip_grad_norm(self, *args: Any, **kwargs: Any) -> Any:
+            with clock.time("optimizer"):
+                return super()._clip_grad_norm(*args, **kwargs)
 
     ends: list[float] = []
     begins: list[float] = []
@@ -157,5 +161,5 @@ def run_trl(spec: RLTrainingJobSpec, steps: int, threads: int = 1) -> dict[str, 
             "timing/step": elapsed, **{f"timing/{k}": v for k, v in parts.items()},
             "orchestration_overhead_frac": max(0.0, 1.0 - busy / elapsed),
         })
-    return {"records": records, "train_wall_s": wall, "torch_threads": threads,
+    return {"records": records, "train_wall_s": wall, "torch_threads": torch.get_num_threads(),
             "optimizer_steps_per_rl_step": opt_steps, "minibatch": mbs}

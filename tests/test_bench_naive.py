@@ -24,7 +24,7 @@ def local_ray() -> Iterator[None]:
     if ray.is_initialized():
         ray.shutdown()
     # address="local": never join a cluster another process left running
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False,
+    ray.init(address="local", num_cpus=3, include_dashboard=False, configure_logging=False,
              runtime_env={"env_vars": {"HYBRIDFLOW_TORCH_THREADS": "1"}})
     yield
     ray.shutdown()

@@ -34,3 +34,12 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
     batch.tensors["advantages"] = adv
     out["advantage_abs_mean"] = float(algos.masked_mean(adv.abs(), mask))
     return out
+
+
+def batch_stats(batch: RolloutBatch) -> dict[str, float]:
+    """What a step record needs from a scored batch, so the batch itself need not travel."""
+    scores = batch.tensors["scores"]
+    lengths = batch.response_mask.float().sum(-1)
+    return {"reward_mean": float(scores.mean()), "reward_max": float(scores.max()),
+            "tokens": float(lengths.sum()), "response_length": float(lengths.mean()),
+            "policy_version": float(batch.policy_version), "size": float(len(batch))}

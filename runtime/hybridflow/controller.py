@@ -13,7 +13,6 @@ from typing import Any
 import ray
 
 from hybridflow.api.spec import RLTrainingJob
-from hybridflow.trainer import Trainer
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -29,7 +28,7 @@ def init_ray(local: bool, num_cpus: int | None = None) -> None:
         return
     if local:
         cpus = num_cpus or max(8, os.cpu_count() or 1)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
                  runtime_env={"env_vars": {"HYBRIDFLOW_TORCH_THREADS": os.environ.get("HYBRIDFLOW_TORCH_THREADS", "1"),
                                            "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     else:
@@ -43,6 +42,8 @@ def run_training(job: RLTrainingJob, metrics_out: str | None, on_progress: Progr
     When the controller's process dies, Ray restarts it; `fit` is called again and resumes from the newest
     checkpoint. It asks for a CPU so it is never placed on a head node started with num-cpus 0.
     """
+    from hybridflow.trainer import Trainer  # torch is imported by the controller, not by this driver
+
     restarts = job.spec.trainer.worker_max_restarts
     controller_cls = ray.remote(Trainer)
     ctrl = controller_cls.options(

@@ -18,7 +18,7 @@ import ray
 import torch
 
 from hybridflow import algos, checkpoint
-from hybridflow.advantages import compute_advantages
+from hybridflow.advantages import batch_stats, compute_advantages
 from hybridflow.api.spec import RLTrainingJob, RLTrainingJobSpec
 from hybridflow.data.prompts import PromptSampler, load_rows
 from hybridflow.graph import DataflowGraph, Node, graph_for, pin_to_pools
@@ -248,46 +248,59 @@ class Trainer:
             compute = max(compute, max(o["timing/critic_update_compute"] for o in critic_out))
         return metrics, compute
 
+    def _fused(self) -> bool:
+        """True when the whole step can run inside the single actor process (see WorkerHost.train_step)."""
+        return (self.plan.critic is None and not self.plan.remote_steps
+                and len(self.scheduler.hosts(self.plan.actor.name)) == 1
+                and self.spec.scheduling.micro_batch_size is None)
+
     def train_step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         rows, gids = self._prompts()
-        batch, phase = self.rollout_phase(rows, gids)
-        t_rollout = time.perf_counter() - t0
-        compute = phase.pop("compute/rollout")
-        t1 = time.perf_counter()
-        if self.plan.critic is not None:
-            compute += self.values_phase(batch)
-        t_values = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        adv_metrics = compute_advantages(batch, self.spec, self.kl_ctl.value)
-        t_adv = time.perf_counter() - t2
-        t3 = time.perf_counter()
-        upd, upd_compute = self.update_phase(batch)
-        t_update = time.perf_counter() - t3
-        compute += upd_compute + t_adv
-        elapsed = time.perf_counter() - t0
+        if self._fused():
+            host = self.scheduler.hosts(self.plan.actor.name)[0]
+            out = ray.get(host.train_step.remote(rows, gids, self.plan.colocated_steps, self.kl_ctl.value))
+            elapsed = time.perf_counter() - t0
+            upd, adv_metrics, stats = out["update"], out["advantages"], out["stats"]
+            rollout_s = sum(out["timings"].values())
+            update_s = upd["timing/actor_update_compute"]
+            phase = {f"timing/{k}": v for k, v in out["timings"].items()}
+            phase.update({"timing/rollout": rollout_s, "timing/advantages": out["advantages_s"],
+                          "timing/update": update_s})
+            compute = rollout_s + out["advantages_s"] + update_s
+        else:
+            batch, phase = self.rollout_phase(rows, gids)
+            compute = phase.pop("compute/rollout")
+            phase["timing/rollout"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            if self.plan.critic is not None:
+                compute += self.values_phase(batch)
+            phase["timing/values"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            adv_metrics = compute_advantages(batch, self.spec, self.kl_ctl.value)
+            phase["timing/advantages"] = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            upd, upd_compute = self.update_phase(batch)
+            phase["timing/update"] = time.perf_counter() - t3
+            compute += upd_compute + phase["timing/advantages"]
+            elapsed = time.perf_counter() - t0
+            stats = batch_stats(batch)
         if "kl" in adv_metrics:
-            self.kl_ctl.update(adv_metrics["kl"], len(batch))
-        mask = batch.response_mask.float()
-        tokens = float(mask.sum())
+            self.kl_ctl.update(adv_metrics["kl"], int(stats["size"]))
         record: dict[str, Any] = {
             "step": step,
-            "reward_mean": float(batch.tensors["scores"].mean()),
-            "reward_max": float(batch.tensors["scores"].max()),
+            "reward_mean": stats["reward_mean"],
+            "reward_max": stats["reward_max"],
             "kl": adv_metrics.get("kl", 0.0),
             "kl_coef": float(self.kl_ctl.value),
             "actor_loss": upd.get("actor_loss"),
             "critic_loss": upd.get("critic_loss"),
             "entropy": upd.get("entropy"),
             "clip_frac": upd.get("clip_frac"),
-            "response_length": float(mask.sum(-1).mean()),
-            "tokens_per_s": tokens / elapsed,
-            "policy_version": batch.policy_version + 1,
+            "response_length": stats["response_length"],
+            "tokens_per_s": stats["tokens"] / elapsed,
+            "policy_version": int(stats["policy_version"]) + 1,
             "timing/step": elapsed,
-            "timing/rollout": t_rollout,
-            "timing/values": t_values,
-            "timing/advantages": t_adv,
-            "timing/update": t_update,
             "orchestration_overhead_frac": max(0.0, 1.0 - compute / elapsed),
             **phase,
             **{k: v for k, v in adv_metrics.items() if k != "kl"},

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.advantages import batch_stats, compute_advantages
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.workers import distributed
 from hybridflow.workers.actor import ActorRolloutWorker, ReferenceWorker
@@ -106,6 +107,18 @@ class WorkerHost:
     def _apply(self, step: str, batch: RolloutBatch) -> None:
         role, method = STEPS[step]
         getattr(self.workers[role], method)(batch)
+
+    def train_step(self, rows: list[dict[str, str]], group_ids: list[int], chain: list[str],
+                   kl_coef: float) -> dict[str, Any]:
+        """A whole GRPO-style step in this process (one actor rank, no critic, nothing remote):
+        one call per step instead of a round trip per phase; only scalars go back."""
+        batch = self.rollout(rows, group_ids, chain)
+        t0 = time.perf_counter()
+        adv = compute_advantages(batch, self.spec, kl_coef)
+        t_adv = time.perf_counter() - t0
+        update = self.update_actor(batch, kl_coef)
+        return {"stats": batch_stats(batch), "timings": dict(batch.timings), "advantages": adv,
+                "advantages_s": t_adv, "update": update}
 
     def update_actor(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
         return self.workers["actor_rollout"].update(batch, kl_coef)

@@ -1,0 +1,352 @@
+"""Cluster-side pieces of the operator benchmark: an audited control plane, the bench fleet, the operator
+process with its memory sampler, and the audit-log reader that counts the operator's API requests.
+
+The API server writes an audit log (policy below) so that request counts and server-side timestamps
+are exact and cost the measured processes nothing: the operator talks to the API server under its own
+client-certificate identity, and only its requests plus a few kinds of creates are logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from e2e.harness import certs
+from e2e.harness.controlplane import A100, ControlPlane, NodePool, free_port, tail, write_kubeconfig
+
+ROOT = Path(__file__).resolve().parent.parent
+OPERATOR_USER = "hybridflow-operator"
+BENCH_USER = "hybridflow-bench"
+GPUS_PER_NODE = 8
+CPU_NODE_CPUS = 128
+CPU_NODE_PODS = 250
+GPU_NODE_PODS = 110
+
+# Everything the operator sends, plus the creates whose server-side times the benchmark uses:
+# RLTrainingJobs (by the benchmark), RayJobs (by the operator or the benchmark), pod bindings (scheduler).
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1",
+    "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "users": [OPERATOR_USER]},
+        {
+            "level": "Metadata",
+            "verbs": ["create"],
+            "resources": [
+                {"group": "hybridflow.io", "resources": ["rltrainingjobs"]},
+                {"group": "ray.io", "resources": ["rayjobs"]},
+                {"group": "", "resources": ["pods/binding"]},
+            ],
+        },
+        {"level": "None"},
+    ],
+}
+
+
+class AuditedControlPlane(ControlPlane):
+    """The harness's full control plane with an API-server audit log (no public hook exists for extra flags)."""
+
+    @property
+    def audit_log(self) -> Path:
+        return self.work_dir / "audit.log"
+
+    def _apiserver_args(self, apiserver: Path) -> list[str]:
+        policy = self.work_dir / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump(AUDIT_POLICY, sort_keys=False))
+        return [
+            *super()._apiserver_args(apiserver),
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={self.audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-maxsize=0",  # never rotate: the reader follows one file
+        ]
+
+    def user_kubeconfig(self, user: str, groups: tuple[str, ...] = ("system:masters",)) -> Path:
+        """A kubeconfig for a distinct client-certificate identity (so the audit log can tell clients apart)."""
+        assert self.pki is not None
+        pair = certs.make_client_cert(self.pki.client_ca, self.pki.directory, user, groups)
+        return write_kubeconfig(self.work_dir / f"{user}.kubeconfig", self.server, self.pki.serving_ca.cert, pair, user)
+
+
+def bench_fleet(max_jobs: int, head_cpus: int, submitter_cpus: float = 1.0) -> list[NodePool]:
+    """DGX-A100-shaped GPU nodes for one 1-GPU worker per job, and CPU nodes for heads and submitter pods."""
+    gpu_nodes = math.ceil(max_jobs / GPUS_PER_NODE)
+    cpu_pods = 2 * max_jobs  # a head and KubeRay's submitter pod per job
+    cpu_nodes = max(math.ceil(max_jobs * (head_cpus + submitter_cpus) / CPU_NODE_CPUS),
+                    math.ceil(cpu_pods / CPU_NODE_PODS))
+    return [
+        NodePool("bench-a100", gpu_nodes, "96", "1152Gi", "p4de.24xlarge", A100, GPUS_PER_NODE, 81920,
+                 pods=str(GPU_NODE_PODS)),
+        NodePool("bench-cpu", cpu_nodes + 1, str(CPU_NODE_CPUS), "1024Gi", "m6i.32xlarge", pods=str(CPU_NODE_PODS)),
+    ]
+
+
+# -- the operator process ----------------------------------------------------------------------------------
+
+
+@dataclass
+class RssSampler:
+    """Polls the resident set size of a process and its children; keeps the peak and a time series."""
+
+    pid: int
+    interval: float = 0.1
+    peak_bytes: int = 0
+    series: list[tuple[float, int]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> RssSampler:
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def sample(self) -> int:
+        """Current RSS of the process tree in bytes (0 once it is gone)."""
+        try:
+            proc = psutil.Process(self.pid)
+            total = proc.memory_info().rss
+            for child in proc.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    total += child.memory_info().rss
+        except psutil.Error:
+            return 0
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = self.sample()
+            if rss:
+                self.peak_bytes = max(self.peak_bytes, rss)
+                self.series.append((time.time(), rss))
+            self._stop.wait(self.interval)
+
+
+def high_water_mark_bytes(pid: int) -> int | None:
+    """The kernel's exact peak RSS of one process (VmHWM), while it still runs."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class OperatorProcess:
+    """`python -m hybridflow_operator` as deployed (cluster-wide, standalone), under its own identity."""
+
+    def __init__(self, kubeconfig: Path, log: Path, max_workers: int | None = None,
+                 tracemalloc_out: Path | None = None) -> None:
+        self.kubeconfig = kubeconfig
+        self.log = log
+        self.max_workers = max_workers
+        self.tracemalloc_out = tracemalloc_out
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.sampler: RssSampler | None = None
+        self.hwm_bytes: int | None = None
+        self.cpu_seconds: float | None = None
+
+    def start(self, timeout: float = 60.0) -> None:
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PYTHONUNBUFFERED": "1",
+        }
+        # As deployed, unless a what-if asks for a different kopf handler pool or a memory trace.
+        module = "hybridflow_operator"
+        if self.max_workers is not None or self.tracemalloc_out is not None:
+            module = "benchmarks.operator_launch"
+            env["BENCH_KOPF_MAX_WORKERS"] = str(self.max_workers or "")
+            env["BENCH_TRACEMALLOC_OUT"] = str(self.tracemalloc_out or "")
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", module, "--liveness", f"http://127.0.0.1:{self.port}/healthz"],
+                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            )
+        self.sampler = RssSampler(self.proc.pid).start()
+        deadline = time.monotonic() + timeout
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{tail(self.log)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"operator not live after {timeout:.0f}s:\n{tail(self.log)}")
+            time.sleep(0.25)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        """The larger of the sampled tree peak and the kernel's high-water mark of the main process."""
+        polled = self.sampler.peak_bytes if self.sampler else 0
+        return max(polled, self.hwm_bytes or 0)
+
+    def stop(self) -> None:
+        """SIGTERM (kopf exits cleanly), SIGKILL after 20 s; records VmHWM and CPU time first."""
+        if self.proc is None or self.proc.poll() is not None:
+            if self.sampler:
+                self.sampler.stop()
+            return
+        self.hwm_bytes = high_water_mark_bytes(self.proc.pid)
+        with contextlib.suppress(psutil.Error):
+            times = psutil.Process(self.proc.pid).cpu_times()
+            self.cpu_seconds = times.user + times.system
+        if self.sampler:
+            self.sampler.stop()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+# -- the audit log -----------------------------------------------------------------------------------------
+
+
+def parse_time(stamp: str) -> float:
+    """RFC 3339 with microseconds (audit MicroTime) -> seconds since the epoch."""
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+class AuditLog:
+    """Incremental reader of the API server's JSON audit log; keeps one record per request (auditID)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+        self.records: dict[str, dict[str, Any]] = {}
+
+    def read(self) -> None:
+        """Read what was appended since the last call."""
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        self._offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if not line.strip():
+                continue
+            ev = json.loads(line)
+            # A watch logs ResponseStarted and later ResponseComplete: keep the first (its start time).
+            self.records.setdefault(ev["auditID"], ev)
+
+    def events(self, since: float, until: float) -> Iterator[dict[str, Any]]:
+        """Records whose request arrived in [since, until]."""
+        for ev in self.records.values():
+            if since <= parse_time(ev["requestReceivedTimestamp"]) <= until:
+                yield ev
+
+
+def request_key(ev: dict[str, Any]) -> str:
+    """`verb resource[/subresource]`, e.g. `patch rltrainingjobs/status`."""
+    ref = ev.get("objectRef") or {}
+    resource = ref.get("resource") or ev.get("requestURI", "?").split("?")[0]
+    if ref.get("subresource"):
+        resource += "/" + ref["subresource"]
+    return f"{ev['verb']} {resource}"
+
+
+def operator_requests(audit: AuditLog, since: float, until: float) -> Counter[str]:
+    """The operator's requests in a window, by `verb resource`."""
+    return Counter(request_key(ev) for ev in audit.events(since, until) if ev["user"]["username"] == OPERATOR_USER)
+
+
+def creation_times(audit: AuditLog, resource: str, namespace: str, user: str | None = None) -> dict[str, float]:
+    """name -> server time the create of `resource` (e.g. `rayjobs`, `pods/binding`) completed with success."""
+    plural, _, sub = resource.partition("/")
+    found: dict[str, float] = {}
+    for ev in audit.records.values():
+        ref = ev.get("objectRef") or {}
+        if ev["verb"] != "create" or ref.get("resource") != plural or (ref.get("subresource") or "") != sub:
+            continue
+        if ref.get("namespace") != namespace or (user and ev["user"]["username"] != user):
+            continue
+        if (ev.get("responseStatus") or {}).get("code", 0) // 100 != 2:
+            continue
+        name = ref.get("name") or ""
+        if name:
+            found[name] = parse_time(ev["stageTimestamp"])
+    return found
+
+
+def first_requests(audit: AuditLog, namespace: str, user: str) -> dict[tuple[str, str, str], tuple[float, float]]:
+    """(verb, resource[/sub], name) -> (received, completed) of the first such request by `user`."""
+    found: dict[tuple[str, str, str], tuple[float, float]] = {}
+    for ev in audit.records.values():
+        ref = ev.get("objectRef") or {}
+        if ref.get("namespace") != namespace or ev["user"]["username"] != user or not ref.get("name"):
+            continue
+        resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        key = (ev["verb"], resource, ref["name"])
+        times = (parse_time(ev["requestReceivedTimestamp"]), parse_time(ev["stageTimestamp"]))
+        if key not in found or times < found[key]:
+            found[key] = times
+    return found
+
+
+def handler_stages(audit: AuditLog, namespace: str, jobs: list[str], rayjob_names: dict[str, str],
+                   config_map_names: dict[str, str]) -> dict[str, list[float]]:
+    """Where apply-to-RayJob goes, per job, on the API server's clock:
+
+    - react: the job is created -> kopf's first PATCH of it (the finalizer) arrives;
+    - queued: that PATCH done -> the handler's first request (GET of the ConfigMap) arrives, i.e. the
+      watch event coming back plus the wait for a free thread in kopf's handler pool;
+    - handler: that first request -> the RayJob created (the handler's serial GET/POST of five children).
+    """
+    bench = first_requests(audit, namespace, BENCH_USER)
+    ops = first_requests(audit, namespace, OPERATOR_USER)
+    stages: dict[str, list[float]] = {"react": [], "queued": [], "handler": []}
+    for job in jobs:
+        created = bench.get(("create", "rltrainingjobs", job))
+        finalizer = ops.get(("patch", "rltrainingjobs", job))
+        first = ops.get(("get", "configmaps", config_map_names[job]))
+        rayjob = ops.get(("create", "rayjobs", rayjob_names[job]))
+        if not (created and finalizer and first and rayjob):
+            continue
+        stages["react"].append(finalizer[0] - created[1])
+        stages["queued"].append(first[0] - finalizer[1])
+        stages["handler"].append(rayjob[1] - first[0])
+    return stages
+
+
+def request_latencies(audit: AuditLog, user: str, since: float, until: float) -> list[float]:
+    """Server-side durations (received -> response complete) of a user's non-watch requests in a window."""
+    return [
+        parse_time(ev["stageTimestamp"]) - parse_time(ev["requestReceivedTimestamp"])
+        for ev in audit.events(since, until)
+        if ev["user"]["username"] == user and ev["verb"] not in ("watch",)
+    ]
