@@ -25,6 +25,15 @@ SEGMENTS = (
     ("worker: serialize the update result", "k"),
     ("controller: receive result, build the step record", "l"),
 )
+# When the whole step runs in the actor's process (WorkerHost.train_step) there is one call per step.
+FUSED_SEGMENTS = (
+    ("controller: sample prompts, submit train_step", "a"),
+    ("transit: controller -> worker", "b"),
+    ("worker: deserialize arguments", "c"),
+    ("worker: train_step, outside the timed compute", "d"),
+    ("worker: serialize the step's scalars", "e"),
+    ("controller: receive result, build the step record", "l"),
+)
 
 
 def _task_spans(timeline: list[dict[str, Any]], methods: tuple[str, ...]) -> list[dict[str, float]]:
@@ -79,7 +88,8 @@ def profile_hybridflow(job: Any, steps: int, warmup: int = 2) -> dict[str, Any]:
     finally:
         ray.actor.ActorMethod.remote = original
     time.sleep(2.0)  # task events reach the GCS about once a second
-    tasks = _task_spans(ray.timeline(), ("rollout", "update_actor"))
+    trainer_fused = trainer._fused()
+    tasks = _task_spans(ray.timeline(), ("rollout", "update_actor", "train_step"))
     trainer.shutdown()
     rows: dict[str, list[float]] = {}
 
@@ -89,13 +99,26 @@ def profile_hybridflow(job: Any, steps: int, warmup: int = 2) -> dict[str, Any]:
     for t0, t1, rec in marks[warmup:]:
         mine = [t for t in tasks if t0 <= t["start"] <= t1]
         sub = [s for s in submits if t0 <= s[1] <= t1]
+        compute = rec["timing/step"] * (1 - rec["orchestration_overhead_frac"])
+        add("step", t1 - t0)
+        add("compute", compute)
+        add("advantages (compute, on the controller)", rec["timing/advantages"])
+        fused = next((t for t in mine if t["name"] == "train_step"), None)
+        if fused is not None:
+            s_fu = next(s for s in sub if s[0] == "train_step")
+            add("a", s_fu[2] - t0)
+            add("b", fused["start"] - s_fu[2])
+            add("c", fused["deserialize"])
+            add("d", fused["execute"] - compute)
+            add("e", fused["store"])
+            add("l", t1 - fused["end"])
+            continue
         ro = next(t for t in mine if t["name"] == "rollout")
         up = next(t for t in mine if t["name"] == "update_actor")
         s_ro = next(s for s in sub if s[0] == "rollout")
         s_up = next(s for s in sub if s[0] == "update_actor")
         rollout_compute = sum(rec[f"timing/{k}"] for k in ("generate", "reward", "ref_log_probs", "old_log_probs")
                               if f"timing/{k}" in rec)
-        compute = rec["timing/step"] * (1 - rec["orchestration_overhead_frac"])
         update_compute = compute - rollout_compute - rec["timing/advantages"]
         add("a", s_ro[2] - t0)
         add("b", ro["start"] - s_ro[2])
@@ -109,11 +132,9 @@ def profile_hybridflow(job: Any, steps: int, warmup: int = 2) -> dict[str, Any]:
         add("j", up["execute"] - update_compute)
         add("k", up["store"])
         add("l", t1 - up["end"])
-        add("step", t1 - t0)
-        add("compute", compute)
-        add("advantages (compute, on the controller)", rec["timing/advantages"])
     med = {k: round(statistics.median(v), 2) for k, v in rows.items()}
-    segments = {label: med[key] for label, key in SEGMENTS}
+    layout = FUSED_SEGMENTS if trainer_fused else SEGMENTS
+    segments = {label: med[key] for label, key in layout}
     return {
         "median_step_ms": med["step"],
         "median_compute_ms": med["compute"],
@@ -122,5 +143,6 @@ def profile_hybridflow(job: Any, steps: int, warmup: int = 2) -> dict[str, Any]:
         "segments_sum_ms": round(sum(segments.values()), 2),
         "actor_call_round_trip_ms": round(statistics.median(rtt) * 1e3, 2),
         "measured_steps": len(marks) - warmup,
+        "one_call_per_step": trainer_fused,
         "note": "Trainer run in the driver so its calls can be timed; worker spans from ray.timeline()",
     }
