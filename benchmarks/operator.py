@@ -4,6 +4,10 @@ straight to KubeRay.
     python -m benchmarks.operator                  # N = 100 and 500: results/operator.json, .png, README.md
     python -m benchmarks.operator --quick          # N = 10 and 20, written under runs/ only
     python -m benchmarks.operator --sizes 50       # any sizes, written under runs/ only
+    python -m benchmarks.operator --render --attach workers32=runs/x   # redraw; add a what-if run's summary
+
+What-ifs (written under runs/ only): --operator-max-workers K runs the operator with kopf's handler thread
+pool at K threads, --trace-memory under tracemalloc, --no-baseline skips the KubeRay-alone phases.
 
 One full control plane (etcd, kube-apiserver with an audit log, controller-manager, scheduler, kwok, the
 real KubeRay operator) and a fake A100 fleet big enough for every pod. For each N, in fresh namespaces:
@@ -13,7 +17,8 @@ real KubeRay operator) and a fake A100 fleet big enough for every pod. For each 
 2. hybridflow: a fresh operator process; N RLTrainingJobs are created concurrently; measured until every
    RayJob exists and every Ray pod is bound, then until the operator falls quiet (its API requests).
 
-Each phase's namespace is deleted, and gone, before the next one starts.
+Each phase's namespace is deleted, and gone, before the next one starts (the last one's goes with the
+control plane). A warm-up of 10 jobs through KubeRay alone comes first.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -50,7 +56,6 @@ from benchmarks.operator_cluster import (
     handler_stages,
     high_water_mark_bytes,
     operator_requests,
-    parse_time,
     request_latencies,
 )
 from benchmarks.operator_watch import NamespaceTracker
@@ -332,9 +337,8 @@ class Bench:
         result["operator_peak_rss_incl_cleanup_mb"] = round(op.peak_rss_bytes / 2**20, 1) if cleanup else None
         result["operator_cpu_s_total"] = _round(op.cpu_seconds, 1)
         result["operator_max_workers"] = self.max_workers
-        result["operator_log"] = str(op.log)
         if trace and trace.exists():
-            result["tracemalloc"] = trace.read_text().splitlines()[:40]
+            result["tracemalloc"] = trace.read_text().splitlines()
         log(f"  operator peak RSS {result['operator_peak_rss_mb']} MB until quiet"
             + (f", {result['operator_peak_rss_incl_cleanup_mb']} MB with the namespace deletion" if cleanup else ""))
         return result
@@ -410,7 +414,8 @@ class Bench:
         }
 
     def _latencies(self, tracker: NamespaceTracker, ns: str, n: int) -> dict[str, Any]:
-        """Apply-to-RayJob per job: as a watching client sees it, and from the API server's own clock."""
+        """Apply-to-RayJob per job, on the API server's clock (audit log: the job's create done -> its RayJob's
+        create done), and as the benchmark's watches see the two ADDED events."""
         seen_jobs = tracker.jobs.snapshot()
         seen_rayjobs = tracker.rayjobs.snapshot()
         server_jobs = creation_times(self.audit, "rltrainingjobs", ns, BENCH_USER)
@@ -423,9 +428,9 @@ class Bench:
             if job in server_jobs and rayjob in server_rayjobs:
                 server_lat.append(server_rayjobs[rayjob] - server_jobs[job])
         return {
-            "apply_to_rayjob_s": latency_summary(client_lat),
-            "apply_to_rayjob_server_s": latency_summary(server_lat),
-            "apply_to_rayjob_samples_s": [round(v, 4) for v in sorted(client_lat)],
+            "apply_to_rayjob_s": latency_summary(server_lat),
+            "apply_to_rayjob_watch_s": latency_summary(client_lat),
+            "apply_to_rayjob_samples_s": [round(v, 4) for v in sorted(server_lat)],
         }
 
 
@@ -437,14 +442,15 @@ def _api_client(kubeconfig: Path, pool: int) -> client.ApiClient:
 
 
 def _received(ev: Mapping[str, Any]) -> float:
-    return parse_time(ev["requestReceivedTimestamp"])
+    return float(ev["received"])
 
 
 def _cpu_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
     """CPU seconds per process over a phase; `other` is what processes outside the benchmark used."""
     delta = {k: round(after[k] - before[k], 2) for k in after if k in before}
     ours = sum(v for k, v in delta.items() if k != "machine_busy")
-    delta["other"] = round(delta.get("machine_busy", 0.0) - ours, 2)
+    # Per-process and machine-wide counters tick differently: clamp the small negative noise.
+    delta["other"] = round(max(0.0, delta.get("machine_busy", 0.0) - ours), 2)
     return delta
 
 
@@ -452,7 +458,7 @@ def _rss_series(op: OperatorProcess, t0: float, t1: float) -> list[list[float]]:
     """The operator's RSS (MB) against seconds from the first apply, thinned to about 200 points."""
     if not op.sampler:
         return []
-    points = [(t - t0, rss / 2**20) for t, rss in op.sampler.series if t0 - 2 <= t <= t1]
+    points = [(t - t0, rss / 2**20) for t, rss in op.sampler.series if t0 <= t <= t1]
     step = max(1, len(points) // 200)
     return [[round(t, 2), round(m, 1)] for t, m in points[::step]]
 
@@ -625,9 +631,14 @@ Generated by `python -m benchmarks.operator` on {env['machine']}; raw numbers in
 How it is measured:
 
 - Times run from the first create of a phase. The benchmark watches RLTrainingJobs, RayJobs and Ray pods
-  (label `ray.io/node-type`) and timestamps each event as it arrives; apply→RayJob is the time between a
-  job's ADDED event and its RayJob's. The API server's audit log gives the same quantities on the server's
-  clock (`*_server_s` in the JSON); both agree to within tens of milliseconds.
+  (label `ray.io/node-type`: each RayCluster's head and worker; the pod of KubeRay's submitter Job, created once
+  a cluster is ready, is not counted) and timestamps each event as it arrives; a pod is bound when it first
+  shows a `spec.nodeName`. The API server's audit log gives the same times on the server's clock
+  (`*_server_s` in the JSON); they agree to within tens of milliseconds.
+- Apply→RayJob: from the moment the API server finished creating a job to the moment it finished creating
+  that job's RayJob, both from the audit log (microsecond timestamps). The same measured between the two ADDED
+  events the benchmark's watches receive is `apply_to_rayjob_watch_s`; it reads lower under load because the
+  job's own event reaches the watch late.
 - KubeRay alone: the ConfigMap, ServiceAccount, Role, RoleBinding and RayJob the operator renders for
   each job (`render_children`, no owner references) are created by the benchmark with the same 16 client
   threads. The ratio is hybridflow's time until all pods are bound over KubeRay alone's.
@@ -639,7 +650,9 @@ How it is measured:
   A fresh operator process serves each N.
 - Everything shares {env['machine'].split(', ')[1]} with the control plane, KubeRay, kwok and the
   benchmark's watches, so the operator's CPU time is taken from the same cores that schedule the pods;
-  the JSON records each component's CPU seconds per phase (`cpu_s`).
+  the JSON records each component's CPU seconds per phase (`cpu_s`). The machine is also shared with other
+  people's jobs, which move every absolute time (see "Another full run" below). This run took
+  {_fmt(env.get('run_s', 0) / 60, ' min', 0)}, control plane and fleet of {env.get('fleet_nodes')} nodes included.
 {findings}
 {END}"""
 
@@ -693,7 +706,7 @@ def plot(doc: Mapping[str, Any], path: Path) -> None:
     ax.legend()
     ax = axes[2]
     for n in sizes:
-        series = doc["sizes"][n]["hybridflow"].get("rss_series") or []
+        series = [p for p in doc["sizes"][n]["hybridflow"].get("rss_series") or [] if p[0] >= 0]
         if series:
             ax.plot([p[0] for p in series], [p[1] for p in series], label=f"N = {n}")
     ax.axhline(TARGETS["operator_peak_rss_mb"], color="grey", ls="--", lw=1, label="target (N = 500)")
@@ -723,9 +736,11 @@ def what_if_summary(doc: Mapping[str, Any]) -> dict[str, Any]:
             "api_server_time_ms": ours["api_requests"]["server_time_ms"],
             "machine_other_cpu_s": ours["cpu_s"].get("other"),
             "window_s": ours["window_s"],
+            "kuberay_alone_pods_bound_s": size["kuberay_alone"].get("pods_bound_s"),
+            "pods_bound_overhead_ratio": size.get("pods_bound_overhead_ratio"),
         }
         if ours.get("tracemalloc"):
-            out[n]["tracemalloc"] = ours["tracemalloc"]
+            out[n]["tracemalloc"] = [_short_path(line) for line in ours["tracemalloc"]]
     return out
 
 
@@ -810,6 +825,25 @@ def _p(summary: Mapping[str, Any]) -> str:
     return f"{_fmt(summary.get('p50'))} / {_fmt(summary.get('p99'))} s"
 
 
+WHAT_IF_HEADER = "\n".join((
+    "| N | apply→RayJob p50 / p99 | of which queued p50 / p99 | every RayJob exists | all pods bound | peak RSS "
+    "| other processes' CPU s |",
+    "|---|---|---|---|---|---|---|",
+))
+REPEAT_HEADER = "\n".join((
+    "| N | apply→RayJob p50 / p99 | every RayJob exists | all pods bound | KubeRay alone | ratio | peak RSS "
+    "| other processes' CPU s |",
+    "|---|---|---|---|---|---|---|---|",
+))
+
+
+def _short_path(line: str) -> str:
+    """Trace lines without the interpreter's and the checkout's directories, and without `:0` line numbers."""
+    line = re.sub(r"/\S*/(?:site-packages|lib/python3\.\d+)/", "", line)
+    line = line.replace(str(ROOT) + "/", "")
+    return re.sub(r"(\.py):0\b", r"\1", line)
+
+
 def findings(doc: Mapping[str, Any]) -> str:
     """Where the time and memory go, from the measurements, and what would change them."""
     sizes = list(doc["sizes"])
@@ -853,7 +887,8 @@ Apply→RayJob per job, split on the API server's clock (audit log), p50 / p99:
 |---|{"---|" * len(sizes)}
 {chr(10).join(stage_rows)}
 
-The largest stage at p99 is **{dominant[small]}** at N = {small} and **{dominant[big]}** at N = {big}. Every
+The largest stage at p99 is **{dominant[small]}** at N = {small} and **{dominant[big]}** at N = {big}. (`react`
+grows with N too: kopf's single event loop also reads, decodes and queues every event of every Ray pod.) Every
 handler in `operator/hybridflow_operator/handlers.py` is synchronous, so kopf runs it in its executor, a thread
 pool of Python's default size, min(32, CPUs + 4): **6 threads on this machine**. The create handlers share those
 six threads with `pod_changed` and `rayjob_changed`, which run on every event of every Ray pod and RayJob and
@@ -875,9 +910,10 @@ the machine outside this benchmark, i.e. other people's jobs):
 {cpu_sep}
 {chr(10).join(cpu_rows)}
 
-Peak RSS follows the backlog rather than the number of jobs: it climbs while handlers queue (each waiting
-per-object worker holds the event bodies it is about to hand over, a Ray pod's body being the largest) and
-CPython keeps the high-water mark afterwards (see the RSS panel of the plot).
+Peak RSS follows the backlog rather than the number of jobs: kopf reads every watch event, decodes it and
+queues it for the object's worker; while the handlers wait for one of the six threads, the decoded bodies of
+jobs, RayJobs and Ray pods (with their managedFields) pile up, and CPython keeps most of that memory after the
+backlog drains (the RSS panel of the plot stays at its peak).
 """
     what_if = doc.get("what_if") or {}
     for name, runs in what_if.items():
@@ -889,32 +925,69 @@ CPython keeps the high-water mark afterwards (see the RSS panel of the plot).
                 return _fmt(r[key], unit, 0) + (f" ({_fmt(base[key], unit, 0)})" if key in base else "")
 
             latency = _p(r["apply_to_rayjob_s"]) + (f" ({_p(base['apply_to_rayjob_s'])})" if base else "")
-            rows.append(f"| {n} | {latency} | {cell('every_rayjob_exists_s', ' s')} | {cell('pods_bound_s', ' s')} "
-                        f"| {cell('operator_peak_rss_mb', ' MB')} | {_fmt(r['machine_other_cpu_s'], '', 0)} |")
+            queued = r["stages_p50_p99_s"]["queued"]
+            base_queued = base["apply_to_rayjob_stages_s"]["queued"] if base else None
+            queue = f"{_fmt(queued[0])} / {_fmt(queued[1])} s" + (f" ({_p(base_queued)})" if base_queued else "")
+            other = _fmt(r["machine_other_cpu_s"], "", 0)
+            if base:
+                other += f" ({_fmt(base['cpu_s'].get('other'), '', 0)})"
+            rows.append(f"| {n} | {latency} | {queue} | {cell('every_rayjob_exists_s', ' s')} "
+                        f"| {cell('pods_bound_s', ' s')} | {cell('operator_peak_rss_mb', ' MB')} | {other} |")
         workers = next(iter(runs.values())).get("operator_max_workers")
         trace = next((r["tracemalloc"] for r in runs.values() if r.get("tracemalloc")), None)
+        if not workers and not trace:
+            repeat = [
+                f"| {n} | {_p(r['apply_to_rayjob_s'])} | {_fmt(r['every_rayjob_exists_s'], ' s', 0)} "
+                f"| {_fmt(r['pods_bound_s'], ' s', 0)} | {_fmt(r.get('kuberay_alone_pods_bound_s'), ' s', 0)} "
+                f"| {_fmt(r.get('pods_bound_overhead_ratio'))} | {_fmt(r['operator_peak_rss_mb'], ' MB', 0)} "
+                f"| {_fmt(r['machine_other_cpu_s'], '', 0)} |"
+                for n, r in runs.items()
+            ]
+            text += f"""
+### Another full run (`{name}`), same code, same machine
+
+How much the absolute times move with the load other people put on the two cores (last column: their CPU
+seconds during the hybridflow phase). The ratio and the shape of the latency hold; the seconds do not.
+
+{REPEAT_HEADER}
+{chr(10).join(repeat)}
+"""
         if workers:
+            last = list(runs)[-1]
+            r_last, base_last = runs[last], ours.get(last)
+            share = (r_last["stages_p50_p99_s"]["queued"][1] or 0) / (r_last["apply_to_rayjob_s"]["p99"] or 1)
+            queue_note = f"With {workers} threads the wait for a thread is still {share:.0%} of the p99 at N = {last}"
+            if base_last:
+                base_share = ((base_last["apply_to_rayjob_stages_s"]["queued"]["p99"] or 0)
+                              / (base_last["apply_to_rayjob_s"]["p99"] or 1))
+                queue_note += f" ({base_share:.0%} with the default pool)"
+            queue_note += ": a bigger pool alone does not remove the backlog, the work per job has to shrink too."
             text += f"""
 ### What-if `{name}`: the same operator with kopf's handler pool at {workers} threads
 
 Run once with `python -m benchmarks.operator --sizes {",".join(runs)} --no-baseline --operator-max-workers {workers}`
 (a startup hook in `benchmarks/operator_launch.py` sets `settings.execution.max_workers`; the operator's code is
 unchanged). In brackets: the default run above. The last column is the CPU seconds other people's processes
-took during the run: the machine is shared, so compare with care.
+took during the hybridflow phase: the machine is shared and absolute times move with that load, so compare
+with care. {queue_note}
 
-| N | apply→RayJob p50 / p99 | every RayJob exists | all pods bound | peak RSS | other processes' CPU s |
-|---|---|---|---|---|---|
+{WHAT_IF_HEADER}
 {chr(10).join(rows)}
 """
         if trace:
+            start = next((i for i, line in enumerate(trace) if line.startswith("by call path")), len(trace))
+            excerpt = [_short_path(line) for line in [*trace[:9], "  ...", "", *trace[start:start + 6]]]
             text += f"""
 ### What-if `{name}`: where the operator's memory is
 
-`--trace-memory` runs the operator under `tracemalloc` (slower, so its backlog and memory are larger than in
-the default run) and keeps the allocation snapshot taken when traced memory was highest:
+`--trace-memory` runs the operator (default thread pool) under `tracemalloc`, which slows it down, so its
+backlog and memory grow larger than in the default run; the trace is taken when the Python heap was largest.
+Most of the heap is watch events that kopf has read and decoded (`kopf/_cogs/clients/api.py`, `json.loads`
+of each line of the watch stream) and queued in the per-object backlogs (`kopf/_core/reactor/queueing.py`)
+of jobs, RayJobs and pods whose handlers are still waiting for a thread:
 
 ```
-{chr(10).join(trace[:24])}
+{chr(10).join(excerpt)}
 ```
 """
     return text + CHANGES
@@ -938,7 +1011,10 @@ CHANGES = """
    second, so a burst of pod events costs one GET and one PATCH.
 4. **One Event per reconcile** (“created ConfigMap, ServiceAccount, Role, RoleBinding, RayJob”) instead of one
    per child: five fewer POSTs per job.
-5. **No per-object finalizer round-trip.** kopf adds its finalizer because of the `resync` timer (kopf timers
+5. **Memory** follows from 1-3: with handlers that keep up there is no backlog of decoded events to hold. Pod
+   events are only needed for a pending pod's reason; an `async def` pod handler that just marks the job dirty
+   (no thread, no API call) keeps the pod backlog empty even under a burst.
+6. **No per-object finalizer round-trip.** kopf adds its finalizer because of the `resync` timer (kopf timers
    require one), and the create handler only runs on the watch event that follows that PATCH: the `react`
    stage above. One operator-wide resync loop (a task started from `@kopf.on.startup` that lists the jobs every
    `status_interval`) would keep the safety net without it, and without the finalizer-removal PATCH on delete.

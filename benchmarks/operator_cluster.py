@@ -261,13 +261,14 @@ class AuditLog:
             if not line.strip():
                 continue
             ev = json.loads(line)
+            ev["received"] = parse_time(ev["requestReceivedTimestamp"])
             # A watch logs ResponseStarted and later ResponseComplete: keep the first (its start time).
             self.records.setdefault(ev["auditID"], ev)
 
     def events(self, since: float, until: float) -> Iterator[dict[str, Any]]:
         """Records whose request arrived in [since, until]."""
         for ev in self.records.values():
-            if since <= parse_time(ev["requestReceivedTimestamp"]) <= until:
+            if since <= ev["received"] <= until:
                 yield ev
 
 
