@@ -44,6 +44,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=API_GROUP, key="last-handled-configuration")
     settings.posting.level = SETTINGS.event_level_number
+    settings.execution.max_workers = SETTINGS.workers
     # Only our children reach the operator: the API server filters the watch streams.
     settings.watching.label_selectors["ray.io", "rayjobs"] = names.JOB_LABEL
     settings.watching.label_selectors["v1", "pods"] = names.JOB_LABEL

@@ -50,6 +50,8 @@ class OperatorSettings:
     """Seconds between safety-net resyncs; status normally follows watch events."""
     event_level: str = "INFO"
     """Lowest level of the Kubernetes Events the operator posts (INFO posts Normal events too)."""
+    workers: int = 32
+    """Threads for the (blocking) handlers: creates must not queue behind pod and RayJob events."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> OperatorSettings:
@@ -126,6 +128,8 @@ def from_env(environ: Mapping[str, str], **overrides: object) -> OperatorSetting
         values["runtime_image"] = env["RUNTIME_IMAGE"]
     if env.get("STATUS_INTERVAL"):
         values["status_interval"] = _positive_float(f"{ENV_PREFIX}STATUS_INTERVAL", env["STATUS_INTERVAL"])
+    if env.get("WORKERS"):
+        values["workers"] = max(1, int(_positive_float(f"{ENV_PREFIX}WORKERS", env["WORKERS"])))
     values.update({k: v for k, v in overrides.items() if v is not None})
     settings = OperatorSettings(**values)  # type: ignore[arg-type]
     for level in (settings.log_level, settings.event_level):
