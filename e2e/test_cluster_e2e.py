@@ -35,7 +35,14 @@ import pytest
 import yaml
 
 from e2e.harness import binaries
-from e2e.harness.controlplane import ControlPlane, KubectlError, eventually, free_port, kubectl_binary, tail
+from e2e.harness.controlplane import (
+    ControlPlane,
+    KubectlError,
+    eventually,
+    free_port,
+    run_kubectl,
+    tail,
+)
 from hybridflow.api import API_GROUP
 from hybridflow_operator import names
 from hybridflow_operator.settings import OperatorSettings, from_env
@@ -91,11 +98,7 @@ class ExistingCluster:
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0
     ) -> subprocess.CompletedProcess[str]:
-        cmd = [kubectl_binary(), f"--kubeconfig={self.kubeconfig}", *args]
-        result = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False)
-        if check and result.returncode != 0:
-            raise KubectlError(result.returncode, cmd, result.stdout, result.stderr)
-        return result
+        return run_kubectl(self.kubeconfig, *args, input=input, check=check, timeout=timeout)
 
     def get_json(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)

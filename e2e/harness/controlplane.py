@@ -80,6 +80,17 @@ def tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def run_kubectl(
+    kubeconfig: Path, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0
+) -> subprocess.CompletedProcess[str]:
+    """kubectl with the given kubeconfig; raises KubectlError (with stderr) when check fails."""
+    cmd = [kubectl_binary(), f"--kubeconfig={kubeconfig}", *args]
+    result = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False)
+    if check and result.returncode != 0:
+        raise KubectlError(result.returncode, cmd, result.stdout, result.stderr)
+    return result
+
+
 @dataclass
 class Process:
     """A started component: its pid, command line and log file."""
@@ -608,11 +619,7 @@ class ControlPlane:
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0
     ) -> subprocess.CompletedProcess[str]:
         """Run kubectl against this control plane; raises with stderr when check fails."""
-        cmd = [kubectl_binary(), f"--kubeconfig={self.kubeconfig}", *args]
-        result = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False)
-        if check and result.returncode != 0:
-            raise KubectlError(result.returncode, cmd, result.stdout, result.stderr)
-        return result
+        return run_kubectl(self.kubeconfig, *args, input=input, check=check, timeout=timeout)
 
     def get_json(self, *args: str) -> Any:
         """`kubectl get ... -o json` parsed."""
