@@ -173,9 +173,3 @@ class WorkerHost:
         self.workers = {}
         self._build()
         return True
-
-    def sleep(self, seconds: float) -> float:
-        """Used by tests to make a role slow; returns the time actually slept."""
-        t0 = time.perf_counter()
-        time.sleep(seconds)
-        return time.perf_counter() - t0
