@@ -1,5 +1,6 @@
-"""Operator benchmark: N RLTrainingJobs at once on the kwok control plane, against the same RayJobs given
-straight to KubeRay.
+"""Operator benchmark: N RLTrainingJobs at once on the kwok control plane, against KubeRay alone.
+
+The same RayJobs (and the objects they need) are also given straight to KubeRay, for comparison.
 
     python -m benchmarks.operator                  # N = 100 and 500: results/operator.json, .png, README.md
     python -m benchmarks.operator --quick          # N = 10 and 20, written under runs/ only
@@ -32,6 +33,7 @@ import os
 import platform
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -173,6 +175,7 @@ class Bench:
         self.watch_api = _api_client(self.bench_kubeconfig, pool=8)
         self.kube = Kube(self.api)
         self.settings = from_env(os.environ)
+        self.handler_threads = handler_threads(self.settings, max_workers)
 
     # -- helpers --
 
@@ -337,6 +340,7 @@ class Bench:
         result["operator_peak_rss_incl_cleanup_mb"] = round(op.peak_rss_bytes / 2**20, 1) if cleanup else None
         result["operator_cpu_s_total"] = _round(op.cpu_seconds, 1)
         result["operator_max_workers"] = self.max_workers
+        result["operator_handler_threads"] = self.handler_threads
         if trace and trace.exists():
             result["tracemalloc"] = trace.read_text().splitlines()
         log(f"  operator peak RSS {result['operator_peak_rss_mb']} MB until quiet"
@@ -434,6 +438,12 @@ class Bench:
         }
 
 
+def handler_threads(settings: Any, max_workers: int | None = None) -> int:
+    """Threads in kopf's pool for synchronous handlers: a what-if's override, else the operator's own setting
+    (`HYBRIDFLOW_WORKERS`, where the operator has one), else Python's default executor size."""
+    return max_workers or getattr(settings, "workers", None) or min(32, (os.cpu_count() or 1) + 4)
+
+
 def _api_client(kubeconfig: Path, pool: int) -> client.ApiClient:
     cfg = client.Configuration()
     config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
@@ -489,7 +499,8 @@ def compare(ours: Mapping[str, Any], alone: Mapping[str, Any]) -> dict[str, Any]
     }
 
 
-def environment(cp: AuditedControlPlane, fleet_nodes: int, started: float) -> dict[str, Any]:
+def environment(cp: AuditedControlPlane, fleet_nodes: int, started: float, commit: str | None,
+                threads: int) -> dict[str, Any]:
     from e2e.harness import binaries
 
     versions = {}
@@ -509,7 +520,21 @@ def environment(cp: AuditedControlPlane, fleet_nodes: int, started: float) -> di
         "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
         "apply_threads": APPLY_THREADS,
         "job": "GRPO, 1 worker group x 1 replica x 1 GPU (A100-80GB), 1-CPU head: 2 Ray pods per job",
+        "git_commit_at_start": commit,
+        "operator_handler_threads": threads,
     }
+
+
+def _git_commit() -> str | None:
+    """HEAD of the checkout the operator ran from, marked when the operator's files differed from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "operator", "runtime/hybridflow/api"],
+                               cwd=ROOT, capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + (" (operator files modified)" if dirty else "")
 
 
 def _dist_version(name: str) -> str | None:
@@ -525,6 +550,7 @@ def run(sizes: Sequence[int], work_dir: Path, keep: bool, max_workers: int | Non
         baseline: bool = True, trace_memory: bool = False) -> dict[str, Any]:
     """Control plane and fleet up, a warm-up, then per N: KubeRay alone (unless not asked), then hybridflow."""
     started = time.time()
+    commit = _git_commit()
     max_n = max(sizes)
     pools = bench_fleet(max_n, HEAD_CPUS)
     cp = AuditedControlPlane(full=True, crd_dirs=[ROOT / "crds"], work_dir=work_dir / "control-plane")
@@ -543,7 +569,7 @@ def run(sizes: Sequence[int], work_dir: Path, keep: bool, max_workers: int | Non
             # The last phase's namespace goes with the control plane: no need to wait for its deletion.
             ours = bench.hybridflow(n, timeout, cleanup=i < len(sizes) - 1)
             results["sizes"][str(n)] = {"hybridflow": ours, "kuberay_alone": alone, **compare(ours, alone)}
-        results["environment"] = environment(cp, len(nodes), started)
+        results["environment"] = environment(cp, len(nodes), started, commit, bench.handler_threads)
         return results
     finally:
         cp.stop()
@@ -610,9 +636,14 @@ def readme_block(doc: Mapping[str, Any], findings: str) -> str:
             f"{_fmt(ours['api_requests']['per_job_until_quiet'], '', 1)} |"
         )
     checks = []
+    others = other_runs(doc)
     for key, v in doc["targets"].items():
         mark = "not run" if v["met"] is None else ("met" if v["met"] else "**missed**")
-        checks.append(f"- `{key}` = {_fmt(v['measured'], '', 3)} (target ≤ {v['target_at_most']}): {mark}")
+        line = f"- `{key}` = {_fmt(v['measured'], '', 3)} (target ≤ {v['target_at_most']}): {mark}"
+        seen = [value for value in (_headline_value(summary, key) for summary in others.values()) if value is not None]
+        if seen:
+            line += f"; in the other runs below: {', '.join(_fmt(x, '', 2) for x in seen)}"
+        checks.append(line)
     env = doc["environment"]
     return f"""{BEGIN}
 ## Operator at scale (`make bench-operator`)
@@ -651,7 +682,7 @@ How it is measured:
 - Everything shares {env['machine'].split(', ')[1]} with the control plane, KubeRay, kwok and the
   benchmark's watches, so the operator's CPU time is taken from the same cores that schedule the pods;
   the JSON records each component's CPU seconds per phase (`cpu_s`). The machine is also shared with other
-  people's jobs, which move every absolute time (see "Another full run" below). This run took
+  people's jobs, which move every absolute time (see "Every run" below). This run took
   {_fmt(env.get('run_s', 0) / 60, ' min', 0)}, control plane and fleet of {env.get('fleet_nodes')} nodes included.
 {findings}
 {END}"""
@@ -726,6 +757,8 @@ def what_if_summary(doc: Mapping[str, Any]) -> dict[str, Any]:
         stages = ours["apply_to_rayjob_stages_s"]
         out[n] = {
             "operator_max_workers": ours.get("operator_max_workers"),
+            "operator_handler_threads": ours.get("operator_handler_threads")
+            or doc.get("environment", {}).get("operator_handler_threads"),
             "every_rayjob_exists_s": ours["every_rayjob_exists_s"],
             "apply_to_rayjob_s": ours["apply_to_rayjob_s"],
             "stages_p50_p99_s": {k: [v["p50"], v["p99"]] for k, v in stages.items() if k != "note"},
@@ -737,6 +770,7 @@ def what_if_summary(doc: Mapping[str, Any]) -> dict[str, Any]:
             "machine_other_cpu_s": ours["cpu_s"].get("other"),
             "window_s": ours["window_s"],
             "kuberay_alone_pods_bound_s": size["kuberay_alone"].get("pods_bound_s"),
+            "kuberay_alone_other_cpu_s": (size["kuberay_alone"].get("cpu_s") or {}).get("other"),
             "pods_bound_overhead_ratio": size.get("pods_bound_overhead_ratio"),
         }
         if ours.get("tracemalloc"):
@@ -825,15 +859,10 @@ def _p(summary: Mapping[str, Any]) -> str:
     return f"{_fmt(summary.get('p50'))} / {_fmt(summary.get('p99'))} s"
 
 
-WHAT_IF_HEADER = "\n".join((
-    "| N | apply→RayJob p50 / p99 | of which queued p50 / p99 | every RayJob exists | all pods bound | peak RSS "
-    "| other processes' CPU s |",
-    "|---|---|---|---|---|---|---|",
-))
 REPEAT_HEADER = "\n".join((
-    "| N | apply→RayJob p50 / p99 | every RayJob exists | all pods bound | KubeRay alone | ratio | peak RSS "
-    "| other processes' CPU s |",
-    "|---|---|---|---|---|---|---|---|",
+    "| run | handler threads | N | apply→RayJob p50 / p99 | queued share of p99 | every RayJob exists "
+    "| all pods bound | KubeRay alone | ratio | peak RSS | other processes' CPU s |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
 ))
 
 
@@ -850,6 +879,7 @@ def findings(doc: Mapping[str, Any]) -> str:
     small, big = sizes[0], sizes[-1]
     ours = {n: doc["sizes"][n]["hybridflow"] for n in sizes}
     alone = {n: doc["sizes"][n]["kuberay_alone"] for n in sizes}
+    threads = ours[small].get("operator_handler_threads") or doc["environment"].get("operator_handler_threads")
     head = " | ".join(f"N = {n}" for n in sizes)
     stage_rows = [
         f"| {label} | " + " | ".join(_p(ours[n]["apply_to_rayjob_stages_s"][key]) for n in sizes) + " |"
@@ -866,6 +896,7 @@ def findings(doc: Mapping[str, Any]) -> str:
             cpu_rows.append(f"| {n} | {name} | {_fmt(result.get('window_s'), '', 0)} | {cells} |")
     cpu_head = "| N | phase | window s | " + " | ".join(label for _, label in CPU_COLUMNS) + " |"
     cpu_sep = "|" + "---|" * (3 + len(CPU_COLUMNS))
+
     def worst_stage(n: str) -> str:
         stages = ours[n]["apply_to_rayjob_stages_s"]
         return max(("react", "queued", "handler"), key=lambda k: stages[k]["p99"] or 0)
@@ -887,119 +918,117 @@ Apply→RayJob per job, split on the API server's clock (audit log), p50 / p99:
 |---|{"---|" * len(sizes)}
 {chr(10).join(stage_rows)}
 
-The largest stage at p99 is **{dominant[small]}** at N = {small} and **{dominant[big]}** at N = {big}. (`react`
-grows with N too: kopf's single event loop also reads, decodes and queues every event of every Ray pod.) Every
+The largest stage at p99 is **{dominant[small]}** at N = {small} and **{dominant[big]}** at N = {big}. (`react` is
+a PATCH plus kopf's single event loop, which also reads, decodes and queues every event of every Ray pod.) Every
 handler in `operator/hybridflow_operator/handlers.py` is synchronous, so kopf runs it in its executor, a thread
-pool of Python's default size, min(32, CPUs + 4): **6 threads on this machine**. The create handlers share those
-six threads with `pod_changed` and `rayjob_changed`, which run on every event of every Ray pod and RayJob and
-each block a thread for 3 to 9 API calls. A create handler then holds its thread for ten API calls in series
+pool of **{threads} threads** in this run (`settings.execution.max_workers`). The create handlers share those
+threads with `pod_changed` and `rayjob_changed`, which run on every event of every Ray pod and RayJob and each
+block a thread for 3 to 9 API calls. A create handler then holds its thread for ten API calls in series
 (`ensure_children` GETs each of the five children before it POSTs it), then a status write (GET job, GET
-RayJob, LIST pods, PATCH status). So the jobs are served about six at a time and the last RayJob appears
-{exists(ours, small)} (N = {small}) and {exists(ours, big)} (N = {big}) after the apply, against
-{exists(alone, small)} and {exists(alone, big)} when the benchmark creates them itself.
+RayJob, LIST pods, PATCH status). So the last RayJob appears {exists(ours, small)} (N = {small}) and
+{exists(ours, big)} (N = {big}) after the apply, against {exists(alone, small)} and {exists(alone, big)} when the
+benchmark creates them itself.
 
 The time until all pods are bound adds the second effect: the operator's own traffic. At N = {big} it sends
 {_fmt(ours[big]["api_requests"]["per_job_until_quiet"], "", 0)} requests per job (largest: {reads}); about
 {status_reads:.0f} of them are status syncs: every event of a Ray pod or RayJob re-reads the job, its RayJob and
 its pods and renders the whole spec again (`sync_status` → `_render_problem`, 5-8 ms of CPU each here), then
-patches the status when it changed. On two shared cores
-that traffic is paid for by KubeRay and the scheduler (CPU seconds per phase; `other processes` is everything on
-the machine outside this benchmark, i.e. other people's jobs):
+patches the status when it changed. On two shared cores that traffic is paid for by KubeRay and the scheduler
+(CPU seconds per phase; `other processes` is everything on the machine outside this benchmark, i.e. other
+people's jobs):
 
 {cpu_head}
 {cpu_sep}
 {chr(10).join(cpu_rows)}
 
 Peak RSS follows the backlog rather than the number of jobs: kopf reads every watch event, decodes it and
-queues it for the object's worker; while the handlers wait for one of the six threads, the decoded bodies of
-jobs, RayJobs and Ray pods (with their managedFields) pile up, and CPython keeps most of that memory after the
-backlog drains (the RSS panel of the plot stays at its peak).
+queues it for the object's worker; while handlers wait for a thread, the decoded bodies of jobs, RayJobs and
+Ray pods (with their managedFields) pile up, and CPython keeps most of that memory after the backlog drains (the
+RSS panel of the plot stays at its peak).
 """
-    what_if = doc.get("what_if") or {}
-    for name, runs in what_if.items():
-        rows = []
-        for n, r in runs.items():
-            base = ours.get(n) or {}
-
-            def cell(key: str, unit: str, r: Mapping[str, Any] = r, base: Mapping[str, Any] = base) -> str:
-                return _fmt(r[key], unit, 0) + (f" ({_fmt(base[key], unit, 0)})" if key in base else "")
-
-            latency = _p(r["apply_to_rayjob_s"]) + (f" ({_p(base['apply_to_rayjob_s'])})" if base else "")
-            queued = r["stages_p50_p99_s"]["queued"]
-            base_queued = base["apply_to_rayjob_stages_s"]["queued"] if base else None
-            queue = f"{_fmt(queued[0])} / {_fmt(queued[1])} s" + (f" ({_p(base_queued)})" if base_queued else "")
-            other = _fmt(r["machine_other_cpu_s"], "", 0)
-            if base:
-                other += f" ({_fmt(base['cpu_s'].get('other'), '', 0)})"
-            rows.append(f"| {n} | {latency} | {queue} | {cell('every_rayjob_exists_s', ' s')} "
-                        f"| {cell('pods_bound_s', ' s')} | {cell('operator_peak_rss_mb', ' MB')} | {other} |")
-        workers = next(iter(runs.values())).get("operator_max_workers")
+    for name, runs in (doc.get("what_if") or {}).items():
         trace = next((r["tracemalloc"] for r in runs.values() if r.get("tracemalloc")), None)
-        if not workers and not trace:
-            repeat = [
-                f"| {n} | {_p(r['apply_to_rayjob_s'])} | {_fmt(r['every_rayjob_exists_s'], ' s', 0)} "
-                f"| {_fmt(r['pods_bound_s'], ' s', 0)} | {_fmt(r.get('kuberay_alone_pods_bound_s'), ' s', 0)} "
-                f"| {_fmt(r.get('pods_bound_overhead_ratio'))} | {_fmt(r['operator_peak_rss_mb'], ' MB', 0)} "
-                f"| {_fmt(r['machine_other_cpu_s'], '', 0)} |"
-                for n, r in runs.items()
-            ]
-            text += f"""
-### Another full run (`{name}`), same code, same machine
-
-How much the absolute times move with the load other people put on the two cores (last column: their CPU
-seconds during the hybridflow phase). The ratio and the shape of the latency hold; the seconds do not.
-
-{REPEAT_HEADER}
-{chr(10).join(repeat)}
-"""
-        if workers:
-            last = list(runs)[-1]
-            r_last, base_last = runs[last], ours.get(last)
-            share = (r_last["stages_p50_p99_s"]["queued"][1] or 0) / (r_last["apply_to_rayjob_s"]["p99"] or 1)
-            queue_note = f"With {workers} threads the wait for a thread is still {share:.0%} of the p99 at N = {last}"
-            if base_last:
-                base_share = ((base_last["apply_to_rayjob_stages_s"]["queued"]["p99"] or 0)
-                              / (base_last["apply_to_rayjob_s"]["p99"] or 1))
-                queue_note += f" ({base_share:.0%} with the default pool)"
-            queue_note += ": a bigger pool alone does not remove the backlog, the work per job has to shrink too."
-            text += f"""
-### What-if `{name}`: the same operator with kopf's handler pool at {workers} threads
-
-Run once with `python -m benchmarks.operator --sizes {",".join(runs)} --no-baseline --operator-max-workers {workers}`
-(a startup hook in `benchmarks/operator_launch.py` sets `settings.execution.max_workers`; the operator's code is
-unchanged). In brackets: the default run above. The last column is the CPU seconds other people's processes
-took during the hybridflow phase: the machine is shared and absolute times move with that load, so compare
-with care. {queue_note}
-
-{WHAT_IF_HEADER}
-{chr(10).join(rows)}
-"""
-        if trace:
-            start = next((i for i, line in enumerate(trace) if line.startswith("by call path")), len(trace))
-            excerpt = [_short_path(line) for line in [*trace[:9], "  ...", "", *trace[start:start + 6]]]
-            text += f"""
+        if not trace:
+            continue  # a full run: in the table of every run below
+        traced_threads = next(iter(runs.values())).get("operator_handler_threads")
+        start = next((i for i, line in enumerate(trace) if line.startswith("by call path")), len(trace))
+        excerpt = [_short_path(line) for line in [*trace[:9], "  ...", "", *trace[start:start + 6]]]
+        text += f"""
 ### What-if `{name}`: where the operator's memory is
 
-`--trace-memory` runs the operator (default thread pool) under `tracemalloc`, which slows it down, so its
-backlog and memory grow larger than in the default run; the trace is taken when the Python heap was largest.
-Most of the heap is watch events that kopf has read and decoded (`kopf/_cogs/clients/api.py`, `json.loads`
-of each line of the watch stream) and queued in the per-object backlogs (`kopf/_core/reactor/queueing.py`)
-of jobs, RayJobs and pods whose handlers are still waiting for a thread:
+`--trace-memory` runs the operator ({_fmt(traced_threads)} handler threads) under `tracemalloc`, which slows it
+down, so its backlog and memory grow larger than in a plain run; the trace is taken when the Python heap was
+largest. Most of the heap is watch events that kopf has read and decoded (`kopf/_cogs/clients/api.py`,
+`json.loads` of each line of the watch stream) and queued in the per-object backlogs
+(`kopf/_core/reactor/queueing.py`) of jobs, RayJobs and pods whose handlers are still waiting for a thread:
 
 ```
 {chr(10).join(excerpt)}
 ```
 """
-    return text + CHANGES
+    return text + every_run(doc) + CHANGES
+
+
+def other_runs(doc: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """Summaries of the other runs attached to this one (memory traces left out)."""
+    return {name: summary for name, summary in (doc.get("what_if") or {}).items()
+            if not any(r.get("tracemalloc") for r in summary.values())}
+
+
+def _headline_value(summary: Mapping[str, Any], key: str) -> float | None:
+    """A headline key (`n100.p99_apply_to_rayjob_s`, ...) read from a run summary."""
+    size, _, metric = key.partition(".")
+    run = summary.get(size.removeprefix("n"))
+    if not run:
+        return None
+    if metric == "p99_apply_to_rayjob_s":
+        return run["apply_to_rayjob_s"].get("p99")
+    return run.get(metric)
+
+
+def _threads(summary: Mapping[str, Any]) -> int:
+    return int(next(iter(summary.values()), {}).get("operator_handler_threads") or 0)
+
+
+def _queued_share(r: Mapping[str, Any]) -> float:
+    return (r["stages_p50_p99_s"]["queued"][1] or 0) / (r["apply_to_rayjob_s"]["p99"] or 1)
+
+
+def every_run(doc: Mapping[str, Any]) -> str:
+    """One table of this run and the other runs attached to it, by the size of kopf's handler pool."""
+    runs: dict[str, Mapping[str, Any]] = {"this one": what_if_summary(doc), **other_runs(doc)}
+    if len(runs) < 2:
+        return ""
+    rows = [
+        f"| {name} | {_fmt(r.get('operator_handler_threads'))} | {n} | {_p(r['apply_to_rayjob_s'])} "
+        f"| {_queued_share(r):.0%} | {_fmt(r['every_rayjob_exists_s'], ' s', 0)} "
+        f"| {_fmt(r['pods_bound_s'], ' s', 0)} | {_fmt(r.get('kuberay_alone_pods_bound_s'), ' s', 0)} "
+        f"| {_fmt(r.get('pods_bound_overhead_ratio'))} | {_fmt(r['operator_peak_rss_mb'], ' MB', 0)} "
+        f"| {_fmt(r.get('kuberay_alone_other_cpu_s'), '', 0)} / {_fmt(r['machine_other_cpu_s'], '', 0)} |"
+        for name, summary in sorted(runs.items(), key=lambda item: _threads(item[1]))
+        for n, r in summary.items()
+    ]
+    return f"""
+### Every run, by the size of kopf's handler pool
+
+Full runs of the benchmark and what-ifs (`--operator-max-workers K --no-baseline`: no KubeRay-alone phase) on
+the same machine. The absolute times, and with them the backlog and the peak RSS, move with the load other
+people's jobs put on the two cores (last column: their CPU seconds during the KubeRay-alone / hybridflow phase).
+A larger pool shortens the queue, yet waiting for a thread stays most of the p99 (column "queued"): the work
+per job, not only the pool, has to shrink.
+
+{REPEAT_HEADER}
+{chr(10).join(rows)}
+"""
 
 
 CHANGES = """
-### Changes to the operator that would meet the targets (not made here; only the first was tried, as a what-if)
+### Changes to the operator that would meet the targets (not made by this benchmark)
 
-1. **Handler concurrency.** In `handlers.configure`, `settings.execution.max_workers = 32` (or more), or turn
-   the handlers into `async def` with an async client so no thread pool caps them. Alone this shortens the
-   queue (see the what-if) but not the work per job, and more concurrency makes each API call slower on two
-   cores.
+1. **Handler concurrency.** The operator now sizes kopf's pool from `HYBRIDFLOW_WORKERS` (default 32); before,
+   it was Python's default, min(32, CPUs + 4) = 6 threads here (the 6-thread runs in the table above). That
+   shortens the queue but does not remove it; `async def` handlers with an async client would remove the cap
+   altogether, and on two cores more concurrency also makes each API call slower.
 2. **Half the create round-trips.** In `reconcile.ensure_children`, POST first and GET only on 409
    AlreadyExists (`_create` already falls back that way), and create the ConfigMap, ServiceAccount, Role and
    RoleBinding concurrently before the RayJob; or server-side apply them (one PATCH each, idempotent). Ten
