@@ -62,22 +62,22 @@ AUDIT_POLICY = {
 
 
 class AuditedControlPlane(ControlPlane):
-    """The harness's full control plane with an API-server audit log (no public hook exists for extra flags)."""
+    """The harness's full control plane with an API-server audit log."""
+
+    def __init__(self, *, work_dir: Path, **kwargs: Any) -> None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        policy = work_dir / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump(AUDIT_POLICY, sort_keys=False))
+        super().__init__(work_dir=work_dir, extra_apiserver_args=[
+            f"--audit-policy-file={policy}",
+            f"--audit-log-path={work_dir / 'audit.log'}",
+            "--audit-log-format=json",
+            "--audit-log-maxsize=0",  # never rotate: the reader follows one file
+        ], **kwargs)
 
     @property
     def audit_log(self) -> Path:
         return self.work_dir / "audit.log"
-
-    def _apiserver_args(self, apiserver: Path) -> list[str]:
-        policy = self.work_dir / "audit-policy.yaml"
-        policy.write_text(yaml.safe_dump(AUDIT_POLICY, sort_keys=False))
-        return [
-            *super()._apiserver_args(apiserver),
-            f"--audit-policy-file={policy}",
-            f"--audit-log-path={self.audit_log}",
-            "--audit-log-format=json",
-            "--audit-log-maxsize=0",  # never rotate: the reader follows one file
-        ]
 
     def user_kubeconfig(self, user: str, groups: tuple[str, ...] = ("system:masters",)) -> Path:
         """A kubeconfig for a distinct client-certificate identity (so the audit log can tell clients apart)."""
@@ -158,11 +158,9 @@ def high_water_mark_bytes(pid: int) -> int | None:
 class OperatorProcess:
     """`python -m hybridflow_operator` as deployed (cluster-wide, standalone), under its own identity."""
 
-    def __init__(self, kubeconfig: Path, log: Path, max_workers: int | None = None,
-                 tracemalloc_out: Path | None = None) -> None:
+    def __init__(self, kubeconfig: Path, log: Path, tracemalloc_out: Path | None = None) -> None:
         self.kubeconfig = kubeconfig
         self.log = log
-        self.max_workers = max_workers
         self.tracemalloc_out = tracemalloc_out
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -176,12 +174,11 @@ class OperatorProcess:
             "KUBECONFIG": str(self.kubeconfig),
             "PYTHONUNBUFFERED": "1",
         }
-        # As deployed, unless a what-if asks for a different kopf handler pool or a memory trace.
+        # As deployed, unless a what-if asks for a memory trace.
         module = "hybridflow_operator"
-        if self.max_workers is not None or self.tracemalloc_out is not None:
+        if self.tracemalloc_out is not None:
             module = "benchmarks.operator_launch"
-            env["BENCH_KOPF_MAX_WORKERS"] = str(self.max_workers or "")
-            env["BENCH_TRACEMALLOC_OUT"] = str(self.tracemalloc_out or "")
+            env["BENCH_TRACEMALLOC_OUT"] = str(self.tracemalloc_out)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
@@ -319,28 +316,29 @@ def first_requests(audit: AuditLog, namespace: str, user: str) -> dict[tuple[str
     return found
 
 
-def handler_stages(audit: AuditLog, namespace: str, jobs: list[str], rayjob_names: dict[str, str],
-                   config_map_names: dict[str, str]) -> dict[str, list[float]]:
+def handler_stages(audit: AuditLog, namespace: str, jobs: list[str],
+                   children: dict[str, dict[str, str]]) -> dict[str, list[float]]:
     """Where apply-to-RayJob goes, per job, on the API server's clock:
 
-    - react: the job is created -> kopf's first PATCH of it (the finalizer) arrives;
-    - queued: that PATCH done -> the handler's first request (GET of the ConfigMap) arrives, i.e. the
-      watch event coming back plus the wait for a free thread in kopf's handler pool;
-    - handler: that first request -> the RayJob created (the handler's serial GET/POST of five children).
+    - react: the job is created -> the operator's first request for one of its children arrives (the
+      watch event reaching the operator, its work queue, the render);
+    - apply: that first request -> the RayJob created (the children are created together).
+
+    `children[job]` maps each child's resource (configmaps, rayjobs, ...) to its name.
     """
     bench = first_requests(audit, namespace, BENCH_USER)
     ops = first_requests(audit, namespace, OPERATOR_USER)
-    stages: dict[str, list[float]] = {"react": [], "queued": [], "handler": []}
+    stages: dict[str, list[float]] = {"react": [], "apply": []}
     for job in jobs:
         created = bench.get(("create", "rltrainingjobs", job))
-        finalizer = ops.get(("patch", "rltrainingjobs", job))
-        first = ops.get(("get", "configmaps", config_map_names[job]))
-        rayjob = ops.get(("create", "rayjobs", rayjob_names[job]))
-        if not (created and finalizer and first and rayjob):
+        rayjob = ops.get(("create", "rayjobs", children[job]["rayjobs"]))
+        firsts = [t for (verb, resource, name), t in ops.items()
+                  if verb in ("create", "get") and children[job].get(resource) == name]
+        if not (created and rayjob and firsts):
             continue
-        stages["react"].append(finalizer[0] - created[1])
-        stages["queued"].append(first[0] - finalizer[1])
-        stages["handler"].append(rayjob[1] - first[0])
+        first = min(firsts)
+        stages["react"].append(first[0] - created[1])
+        stages["apply"].append(rayjob[1] - first[0])
     return stages
 
 

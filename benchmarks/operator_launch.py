@@ -1,10 +1,8 @@
 """`python -m benchmarks.operator_launch [operator flags]`: the operator's own entry point, instrumented for
-the what-if runs of the operator benchmark. Not a way to run hybridflow.
+the `--trace-memory` what-if of the operator benchmark. Not a way to run hybridflow.
 
-- BENCH_KOPF_MAX_WORKERS=K: one more kopf startup handler sets `settings.execution.max_workers` to K (the
-  pool that runs synchronous handlers; kopf's default is Python's, min(32, CPUs + 4)).
-- BENCH_TRACEMALLOC_OUT=FILE: trace Python allocations; whenever the traced heap has grown by 25%, write its
-  largest allocation sites and the live objects by type to FILE (so FILE describes the largest heap seen).
+BENCH_TRACEMALLOC_OUT=FILE: trace Python allocations; whenever the traced heap has grown by 25%, write its
+largest allocation sites and the live objects by type to FILE (so FILE describes the largest heap seen).
 """
 
 from __future__ import annotations
@@ -18,9 +16,6 @@ import time
 import tracemalloc
 from collections import Counter
 from pathlib import Path
-from typing import Any
-
-import kopf
 
 from hybridflow_operator.__main__ import main
 
@@ -29,12 +24,6 @@ GROWTH = 1.25  # a new snapshot only when traced memory grew 25% past the last o
 FLOOR = 48 * 2**20  # and none below this
 FRAMES = 4
 TOP = 25
-
-
-@kopf.on.startup()
-def resize_handler_pool(settings: kopf.OperatorSettings, **_: Any) -> None:
-    if os.environ.get("BENCH_KOPF_MAX_WORKERS"):
-        settings.execution.max_workers = int(os.environ["BENCH_KOPF_MAX_WORKERS"])
 
 
 class PeakSnapshot:

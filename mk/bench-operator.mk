@@ -1,11 +1,13 @@
 # Operator benchmark (included from the top-level Makefile).
 #
 #   make bench-operator                 N = 100 and 500 RLTrainingJobs at once on the kwok control plane, against
-#                                       the same RayJobs given to KubeRay alone (~15-25 min on 2 cores):
-#                                       benchmarks/results/operator.json, operator.png and the operator table in
+#                                       the same RayJobs given to KubeRay alone: benchmarks/results/operator.json
+#                                       (the figures of the previous operator design carried over as
+#                                       previous_design), operator.png and the operator section of
 #                                       benchmarks/README.md
 #   make bench-operator BENCH_OPERATOR_ARGS=--quick    N = 10 and 20, outputs under runs/bench-operator only
-#   make bench-operator BENCH_OPERATOR_ARGS=--render   redraw the plot and README table from operator.json
+#   make bench-operator BENCH_OPERATOR_ARGS=--render   redraw the plot and README section from operator.json
+#   make bench-operator BENCH_OPERATOR_ARGS="--render --previous OLD.json"   ... with previous_design from OLD.json
 #
 # Needs the control-plane binaries of e2e/ (built on first use when Go is installed: `make toolchain`).
 

@@ -558,12 +558,16 @@ def test_settings_from_env() -> None:
         "HYBRIDFLOW_GPU_PRODUCTS": "A100-80GB: [NVIDIA-A100-SXM4-80GB]\nL4: NVIDIA-L4\n",
         "HYBRIDFLOW_RUNTIME_IMAGE": "registry.local/rt:2",
         "HYBRIDFLOW_STATUS_INTERVAL": "60",
+        "HYBRIDFLOW_STATUS_MIN_INTERVAL": "0.5",
+        "HYBRIDFLOW_STATUS_WRITES_PER_S": "50",
+        "HYBRIDFLOW_MAX_REQUESTS": "16",
     })
     assert s.watch_namespaces == ("team-a", "team-b") and not s.clusterwide
     assert s.log_level == "DEBUG"
     assert dict(s.gpu_products) == {"A100-80GB": ("NVIDIA-A100-SXM4-80GB",), "L4": ("NVIDIA-L4",)}
     assert s.runtime_image == "registry.local/rt:2"
     assert s.status_interval == 60.0
+    assert (s.status_min_interval, s.status_writes_per_s, s.max_requests) == (0.5, 50.0, 16)
 
 
 def test_settings_classmethod_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -586,6 +590,8 @@ def test_gpu_products_accept_json() -> None:
     {"HYBRIDFLOW_GPU_PRODUCTS": "{unclosed"},
     {"HYBRIDFLOW_LOG_LEVEL": "LOUD"},
     {"HYBRIDFLOW_STATUS_INTERVAL": "-1"},
+    {"HYBRIDFLOW_STATUS_WRITES_PER_S": "0"},
+    {"HYBRIDFLOW_MAX_REQUESTS": "many"},
 ])
 def test_bad_settings_are_refused(env: dict[str, str]) -> None:
     with pytest.raises(SettingsError):

@@ -372,8 +372,10 @@ class ControlPlane:
         detach: bool = False,
         allow_build: bool = True,
         timeout: float = 120.0,
+        extra_apiserver_args: Sequence[str] = (),
     ) -> None:
         self.full = full
+        self.extra_apiserver_args = list(extra_apiserver_args)  # e.g. an audit log, for benchmarks
         self.crd_dirs = [Path(d) for d in crd_dirs]
         if install_kuberay_crds is None:  # default: when available; always for the operator, which needs them
             install_kuberay_crds = full or binaries.kuberay_crd_dir() is not None
@@ -520,7 +522,7 @@ class ControlPlane:
             # Without kube-controller-manager no `default` ServiceAccount ever appears, and the
             # ServiceAccount admission plugin would reject every Pod (envtest does the same).
             args.append("--disable-admission-plugins=ServiceAccount")
-        return args
+        return args + self.extra_apiserver_args
 
     def _admin_tls_context(self) -> ssl.SSLContext:
         assert self.pki is not None

@@ -55,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     kopf.configure(debug=settings.log_level == "DEBUG")
     logging.getLogger().setLevel(settings.log_level_number)
+    if settings.log_level != "DEBUG":  # kopf's line per handled watch event: thousands a minute at scale
+        logging.getLogger("kopf.objects").setLevel(max(logging.WARNING, settings.log_level_number))
     import hybridflow_operator.handlers  # noqa: F401  (registers the handlers with kopf)
 
     kopf.run(

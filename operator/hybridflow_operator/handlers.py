@@ -1,15 +1,14 @@
-"""kopf wiring: which events reconcile which job. I/O only; the decisions live in reconcile/render/status.
+"""kopf wiring: watch events go to the controller, which does the work on kopf's event loop.
 
-A job is reconciled on create, on resume (operator restart) and on spec updates; its status follows
-its RayJob and Ray pods through watches; a long-interval timer is only a safety net. Errors the
-user must fix stop the handler (kopf.PermanentError) after Stalled=True and a Warning Event, so a
-bad job causes neither a retry storm nor a crash loop.
+Every handler is a coroutine that only records what it saw and queues the job, so no handler ever
+waits for a thread or an API call, and kopf keeps no per-object state: no finalizer, no progress
+annotations. The API server filters the RayJob and pod watches to our children, and the pods to
+the Pending ones.
 """
 
 from __future__ import annotations
 
-import json
-import logging
+import asyncio
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -17,142 +16,68 @@ from typing import Any
 import kopf
 
 from hybridflow.api import API_GROUP, API_VERSION, PLURAL
-from hybridflow_operator import kube, names, reconcile
-from hybridflow_operator.errors import RenderError
-from hybridflow_operator.reconcile import ChildConflict, StatusWrite
+from hybridflow_operator import names
+from hybridflow_operator.controller import Controller
+from hybridflow_operator.kube import Kube, load_configuration
 from hybridflow_operator.settings import from_env
 
 SETTINGS = from_env(os.environ)
 JOBS = (API_GROUP, API_VERSION, PLURAL)
-RETRY_DELAY_S = 10.0
-STALE_CHILD_DELAY_S = 30.0
-_client: kube.Kube | None = None
+_controller: Controller | None = None
+_resync: asyncio.Task[None] | None = None
 
 
-def client() -> kube.Kube:
-    global _client
-    if _client is None:
-        kube.load_config()
-        _client = kube.Kube()
-    return _client
+def controller() -> Controller:
+    assert _controller is not None, "the startup handler creates the controller"
+    return _controller
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-    settings.persistence.finalizer = names.FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=API_GROUP, key="last-handled-configuration")
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    global _controller, _resync
     settings.posting.level = SETTINGS.event_level_number
-    settings.execution.max_workers = SETTINGS.workers
-    # Only our children reach the operator: the API server filters the watch streams.
+    settings.posting.loggers = False  # Events are the ones the controller posts, not kopf's log lines
     settings.watching.label_selectors["ray.io", "rayjobs"] = names.JOB_LABEL
     settings.watching.label_selectors["v1", "pods"] = names.JOB_LABEL
-    client()
+    # Only a Pending pod can explain a wait; one that leaves Pending arrives as DELETED.
+    settings.watching.field_selectors["v1", "pods"] = "status.phase=Pending"
+    _controller = Controller(Kube(load_configuration(), SETTINGS.max_requests), SETTINGS, post_event)
+    _resync = asyncio.get_running_loop().create_task(_controller.resync_forever(), name="resync")
+
+
+def post_event(ref: Mapping[str, Any], event_type: str, reason: str, message: str) -> None:
+    """Through kopf's Event poster, which drops Normal events below the configured level."""
+    post = kopf.warn if event_type == "Warning" else kopf.info
+    post(dict(ref), reason=reason, message=message)
+
+
+@kopf.on.cleanup()
+async def shutdown(**_: Any) -> None:
+    if _resync is not None:
+        _resync.cancel()
+    if _controller is not None:
+        _controller.queue.close()
+        await _controller.kube.close()
 
 
 @kopf.on.probe(id="kubernetes")
-def api_reachable(**_: Any) -> bool:
+async def api_reachable(**_: Any) -> bool:
     """Liveness: the operator can still talk to the API server."""
-    return bool(client().version())
+    return bool(await controller().kube.version())
 
 
-@kopf.on.resume(*JOBS)
-@kopf.on.create(*JOBS)
-@kopf.on.update(*JOBS, field="spec")
-def reconcile_job(body: kopf.Body, name: str, namespace: str, **_: Any) -> None:
-    """Make the children match the spec, then write the status."""
-    _reconcile(body, name, namespace)
-
-
-@kopf.timer(*JOBS, interval=SETTINGS.status_interval, initial_delay=SETTINGS.status_interval)
-def resync(body: kopf.Body, name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:
-    """Safety net for missed watch events: recreate lost children, recompute the status."""
-    try:
-        _reconcile(body, name, namespace)
-    except kopf.PermanentError as e:
-        logger.debug("resync of %s/%s stopped: %s", namespace, name, e)
+@kopf.on.event(*JOBS)
+async def job_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    controller().job_event(body, type)
 
 
 @kopf.on.event("ray.io", "v1", "rayjobs", labels={names.JOB_LABEL: kopf.PRESENT})
-def rayjob_changed(body: kopf.Body, namespace: str, type: str | None, logger: logging.Logger, **_: Any) -> None:
-    """KubeRay moved the RayJob on: mirror it into the owner's status; a lost RayJob is recreated."""
-    name = reconcile.job_name_of(body)
-    if not name:
-        return
-    job = client().get(kube.JOB_API_VERSION, "RLTrainingJob", namespace, name) if type == "DELETED" else None
-    if job is None or job["metadata"].get("deletionTimestamp"):
-        _write(namespace, name)
-        return
-    try:
-        _reconcile(job, name, namespace)
-    except (kopf.PermanentError, kopf.TemporaryError) as e:
-        logger.warning("recreating the RayJob of %s/%s failed: %s", namespace, name, e)
+async def rayjob_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    """KubeRay moved the RayJob on (or it was deleted, and is recreated)."""
+    controller().rayjob_event(body, type)
 
 
 @kopf.on.event("v1", "pods", labels={names.JOB_LABEL: kopf.PRESENT})
-def pod_changed(body: kopf.Body, namespace: str, **_: Any) -> None:
-    """A Ray pod was scheduled or could not be: surface it in the owner's status."""
-    _follow(body, namespace)
-
-
-# -- helpers ----------------------------------------------------------------------------------------------
-
-
-def _reconcile(body: Mapping[str, Any], name: str, namespace: str) -> None:
-    try:
-        applied = reconcile.ensure_children(client(), body, SETTINGS)
-    except ChildConflict as e:
-        _write(namespace, name, e)
-        if e.temporary:
-            raise kopf.TemporaryError(str(e), delay=STALE_CHILD_DELAY_S) from None
-        raise kopf.PermanentError(str(e)) from None
-    except RenderError as e:
-        _write(namespace, name, e)
-        raise kopf.PermanentError(str(e)) from None
-    except kube.ApiException as e:
-        if e.status == 422:  # the API server refused a child we rendered: retrying cannot help
-            _write(namespace, name, RenderError("spec", "ChildRejected", _api_message(e)))
-            raise kopf.PermanentError(_api_message(e)) from None
-        raise kopf.TemporaryError(f"API error {e.status}: {_api_message(e)}", delay=RETRY_DELAY_S) from None
-    for ref in applied.created:
-        kopf.info(body, reason="Created", message=f"created {ref}")
-    for ref in applied.patched:
-        kopf.info(body, reason="Updated", message=f"updated {ref}")
-    if applied.layout_ignored:
-        kopf.warn(body, reason="LayoutChangeIgnored",
-                  message="the Ray cluster layout changed but a RayJob keeps the layout it was created with; "
-                          "only suspend, TTL, deadline and the rollout group's replicas apply to a running job")
-    _write(namespace, name)
-
-
-def _follow(child: kopf.Body, namespace: str) -> None:
-    name = reconcile.job_name_of(child)
-    if name:
-        _write(namespace, name)
-
-
-def _write(namespace: str, name: str, error: RenderError | None = None) -> StatusWrite | None:
-    try:
-        written = reconcile.sync_status(client(), namespace, name, SETTINGS, error)
-    except kube.ApiException as e:
-        raise kopf.TemporaryError(f"status of {namespace}/{name}: {_api_message(e)}", delay=RETRY_DELAY_S) from None
-    if written is not None:
-        for kind, reason, message in written.transitions():
-            post = kopf.warn if kind == "Warning" else kopf.info
-            post(_ref(written.job), reason=reason, message=message)
-    return written
-
-
-def _ref(job: Mapping[str, Any]) -> dict:
-    """Just enough of the job for kopf to address an Event to it."""
-    meta = job["metadata"]
-    return {"apiVersion": job["apiVersion"], "kind": job["kind"],
-            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}}
-
-
-def _api_message(e: kube.ApiException) -> str:
-    try:
-        return json.loads(e.body or "{}").get("message") or str(e.reason)
-    except ValueError:
-        return str(e.reason)
+async def pod_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+    """A Pending Ray pod was scheduled or could not be: surfaced in the owner's status."""
+    controller().pod_event(body, type)

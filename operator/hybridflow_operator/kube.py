@@ -1,15 +1,19 @@
-"""A small synchronous Kubernetes client for the few kinds the operator touches, on plain dicts.
+"""A small asynchronous Kubernetes client for the few kinds the operator touches, on plain dicts.
 
-Paths come from a fixed table instead of API discovery, so the client works the moment the
-operator starts, whatever CRDs appear later.
+It shares kopf's event loop, so no request ever waits for a thread. Paths come from a fixed table
+instead of API discovery, so the client works the moment the operator starts, whatever CRDs appear
+later. Credentials come from the official client's loaders (in-cluster or kubeconfig), whose hook
+re-reads a rotated service-account token.
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import Mapping
 from typing import Any
 
+import aiohttp
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -31,15 +35,35 @@ JSON_PATCH = "application/json-patch+json"
 FIELD_MANAGER = "hybridflow-operator"
 TIMEOUT_S = 30
 
-__all__ = ["JOB_API_VERSION", "ApiException", "Kube", "load_config"]
+__all__ = ["JOB_API_VERSION", "ApiException", "Kube", "load_configuration", "namespace_terminating"]
 
 
-def load_config() -> None:
+def load_configuration() -> client.Configuration:
     """In-cluster credentials when running in a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    configuration = client.Configuration()
     try:
-        config.load_incluster_config()
+        config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException:
-        config.load_kube_config()
+        config.load_kube_config(client_configuration=configuration)
+    return configuration
+
+
+def namespace_terminating(e: ApiException) -> bool:
+    """A create refused because the namespace is being deleted: the job goes with it, nothing to retry."""
+    if e.status != 403:
+        return False
+    try:
+        causes = (json.loads(e.body or "{}").get("details") or {}).get("causes") or []
+    except ValueError:
+        return False
+    return any(c.get("reason") == "NamespaceTerminating" for c in causes)
+
+
+def api_message(e: ApiException) -> str:
+    try:
+        return json.loads(e.body or "{}").get("message") or str(e.reason)
+    except ValueError:
+        return str(e.reason)
 
 
 def _path(api_version: str, kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
@@ -52,49 +76,81 @@ def _path(api_version: str, kind: str, namespace: str, name: str | None = None, 
     return path
 
 
+def _ssl_context(configuration: client.Configuration) -> ssl.SSLContext | bool:
+    if not configuration.verify_ssl:
+        return False
+    context = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
+    if configuration.cert_file:
+        context.load_cert_chain(configuration.cert_file, configuration.key_file)
+    return context
+
+
 class Kube:
-    """get / create / patch / list by (apiVersion, kind, namespace, name); raises ApiException."""
+    """get / create / patch / list by (apiVersion, kind, namespace, name); raises ApiException.
 
-    def __init__(self, api: client.ApiClient | None = None) -> None:
-        self.api = api or client.ApiClient()
+    At most `max_connections` requests are in flight; the rest wait for a connection, so a burst of
+    jobs queues in the client instead of opening hundreds of TLS connections to the API server.
+    """
 
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+    def __init__(self, configuration: client.Configuration, max_connections: int = 32) -> None:
+        self.configuration = configuration
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:  # created lazily: it binds to the running event loop
+            connector = aiohttp.TCPConnector(limit=self.max_connections, ssl=_ssl_context(self.configuration))
+            self._session = aiohttp.ClientSession(
+                base_url=self.configuration.host.rstrip("/") + "/", connector=connector,
+                timeout=aiohttp.ClientTimeout(total=TIMEOUT_S), json_serialize=json.dumps,
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         try:
-            return self._call("GET", _path(api_version, kind, namespace, name))
+            return await self._call("GET", _path(api_version, kind, namespace, name))
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
 
-    def create(self, obj: Mapping[str, Any]) -> dict:
+    async def create(self, obj: Mapping[str, Any]) -> dict:
         meta = obj["metadata"]
-        return self._call("POST", _path(obj["apiVersion"], obj["kind"], meta["namespace"]), body=obj,
-                          query=[("fieldManager", FIELD_MANAGER)])
+        return await self._call("POST", _path(obj["apiVersion"], obj["kind"], meta["namespace"]), body=obj,
+                                params={"fieldManager": FIELD_MANAGER})
 
-    def patch(self, api_version: str, kind: str, namespace: str, name: str, body: Any, *,
-              json_patch: bool = False, status: bool = False) -> dict:
-        return self._call("PATCH", _path(api_version, kind, namespace, name, "status" if status else None),
-                          body=body, content_type=JSON_PATCH if json_patch else MERGE,
-                          query=[("fieldManager", FIELD_MANAGER)])
+    async def patch(self, api_version: str, kind: str, namespace: str, name: str, body: Any, *,
+                    json_patch: bool = False, status: bool = False) -> dict:
+        return await self._call("PATCH", _path(api_version, kind, namespace, name, "status" if status else None),
+                                body=body, content_type=JSON_PATCH if json_patch else MERGE,
+                                params={"fieldManager": FIELD_MANAGER})
 
-    def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict]:
-        found = self._call("GET", _path(api_version, kind, namespace), query=[("labelSelector", label_selector)])
+    async def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict]:
+        found = await self._call("GET", _path(api_version, kind, namespace), params={"labelSelector": label_selector})
         return found.get("items") or []
 
-    def version(self) -> dict:
+    async def version(self) -> dict:
         """The API server's version: a cheap request every authenticated client may make."""
-        return self._call("GET", "/version")
+        return await self._call("GET", "/version")
 
-    def _call(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
-              query: list[tuple[str, str]] | None = None) -> dict:
-        request = self.api.param_serialize(
-            method, path, query_params=query or [], header_params={"Accept": "application/json",
-                                                                    "Content-Type": content_type},
-            body=body, auth_settings=["BearerToken"],
-        )
-        response = self.api.call_api(*request, _request_timeout=TIMEOUT_S)
-        response.read()
-        if not 200 <= response.status <= 299:
-            raise ApiException.from_response(http_resp=response, body=response.data.decode(errors="replace"),
-                                             data=None)
-        return json.loads(response.data) if response.data else {}
+    async def _call(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
+                    params: Mapping[str, str] | None = None) -> dict:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        token = self.configuration.get_api_key_with_prefix("BearerToken", alias="authorization")  # refresh hook runs
+        if token:
+            headers["Authorization"] = token
+        data = None if body is None else json.dumps(body)
+        async with self.session.request(method, path.lstrip("/"), data=data, headers=headers,
+                                        params=params) as response:
+            text = await response.text()
+            if not 200 <= response.status <= 299:
+                error = ApiException(status=response.status, reason=response.reason)
+                error.body = text
+                raise error
+        return json.loads(text) if text else {}

@@ -22,7 +22,6 @@ GENERATION_ANNOTATION = f"{API_GROUP}/generation"
 CLUSTER_HASH_ANNOTATION = f"{API_GROUP}/cluster-hash"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 RAY_GROUP_LABEL = "ray.io/group"
-FINALIZER = f"{API_GROUP}/finalizer"
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 

@@ -1,13 +1,12 @@
-"""Level-based reconciliation of one RLTrainingJob: make its children match, then write its status.
+"""Level-based reconciliation of one RLTrainingJob: make its children match, compute and write its status.
 
-Framework-free (the kopf handlers call in here), synchronous, and safe to repeat: names are
-deterministic, creation is get-or-create, and a status write carries the resourceVersion it was
-computed from.
+Framework-free (the controller calls in here) and safe to repeat: names are deterministic, creation
+is create-or-read, and a status write carries the resourceVersion it was computed from.
 """
 
 from __future__ import annotations
 
-import threading
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -25,8 +24,7 @@ from hybridflow_operator.patches import (
 )
 from hybridflow_operator.render import owner_reference, render
 from hybridflow_operator.settings import OperatorSettings
-from hybridflow_operator.status import TERMINAL, compute_status, status_changed
-from hybridflow_operator.status import transitions as status_transitions
+from hybridflow_operator.status import compute_status
 
 KIND = "RLTrainingJob"
 CONFLICT_RETRIES = 5
@@ -43,94 +41,95 @@ class ChildConflict(RenderError):
 
 @dataclass
 class Applied:
-    """What one reconciliation changed, for Events."""
+    """What one reconciliation changed (for Events), and the RayJob as it now stands."""
 
     created: list[str] = field(default_factory=list)
     patched: list[str] = field(default_factory=list)
     layout_ignored: bool = False
-
-
-@dataclass(frozen=True)
-class StatusWrite:
-    before: Mapping[str, Any]
-    after: Mapping[str, Any]
-    job: Mapping[str, Any]
-
-    def transitions(self) -> list[tuple[str, str, str]]:
-        return status_transitions(self.before, self.after)
+    rayjob: dict | None = None
 
 
 def now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def ensure_children(kube: Kube, job: Mapping[str, Any], settings: OperatorSettings) -> Applied:
-    """Create what is missing, patch what may change; RenderError/ChildConflict when it cannot."""
+async def ensure_children(kube: Kube, job: Mapping[str, Any], settings: OperatorSettings, *,
+                          fresh: bool) -> Applied:
+    """Create what is missing, patch what may change; RenderError/ChildConflict when it cannot.
+
+    The five children are independent, so they go to the API server together. A `fresh` job (one
+    the operator never wrote a status for) has none yet: each child is POSTed straight away and read
+    only when it turns out to exist (409). Otherwise each is read first, which costs a GET instead of
+    a refused POST for every child that is still there.
+    """
     rendered = render(job, settings)
-    owner = _owner(job)
-    finished = _finished(job)
     applied = Applied()
-    for desired in rendered.children:
-        meta = desired["metadata"]
-        ref = f"{desired['kind']}/{meta['name']}"
-        existing = kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
-        if existing is None:
-            if desired["kind"] == "RayJob" and finished:
-                continue  # a finished job's RayJob may be gone (TTL, manual delete): never start it again
-            existing = _create(kube, desired)
-            if existing is None:
-                applied.created.append(ref)
-                continue
-        problem = ownership_problem(existing, owner)
-        if problem:
-            raise ChildConflict(problem, temporary=stale_owner(existing, owner))
-        if desired["kind"] == "RayJob":
-            if _update_rayjob(kube, existing, desired, rendered.layout.rollout_group):
-                applied.patched.append(ref)
-            applied.layout_ignored = _generation(existing) != _generation(desired) and layout_changed(existing, desired)
-        else:
-            patch = merge_patch(existing, desired)
-            if patch:
-                kube.patch(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"], patch)
-                applied.patched.append(ref)
+    outcomes = await asyncio.gather(
+        *(_ensure(kube, desired, job, rendered.layout.rollout_group, applied, fresh=fresh)
+          for desired in rendered.children),
+        return_exceptions=True,
+    )
+    errors = [e for e in outcomes if isinstance(e, BaseException)]
+    if errors:  # the user's problem first: a name conflict says more than an API error
+        raise next((e for e in errors if isinstance(e, RenderError)), errors[0])
     return applied
 
 
-def sync_status(kube: Kube, namespace: str, name: str, settings: OperatorSettings,
-                error: RenderError | None = None) -> StatusWrite | None:
-    """Recompute the job's status from its RayJob and pods and write it if it changed.
+async def _ensure(kube: Kube, desired: dict, job: Mapping[str, Any], rollout_group: str | None,
+                  applied: Applied, *, fresh: bool) -> None:
+    meta = desired["metadata"]
+    kind = desired["kind"]
+    ref = f"{kind}/{meta['name']}"
+    existing = None if fresh else await kube.get(desired["apiVersion"], kind, meta["namespace"], meta["name"])
+    if existing is None:
+        if kind == "RayJob" and _finished(job):
+            return  # a finished job's RayJob may be gone (TTL, manual delete): never start it again
+        created, existing = await _create(kube, desired)
+        if created is not None:
+            applied.created.append(ref)
+            if kind == "RayJob":
+                applied.rayjob = created
+            return
+    owner = _owner(job)
+    problem = ownership_problem(existing, owner)
+    if problem:
+        raise ChildConflict(problem, temporary=stale_owner(existing, owner))
+    if kind == "RayJob":
+        updated = await _update_rayjob(kube, existing, desired, rollout_group)
+        if updated is not None:
+            applied.patched.append(ref)
+        applied.rayjob = updated or existing
+        applied.layout_ignored = _generation(existing) != _generation(desired) and layout_changed(existing, desired)
+        return
+    patch = merge_patch(existing, desired)
+    if patch:
+        await kube.patch(desired["apiVersion"], kind, meta["namespace"], meta["name"], patch)
+        applied.patched.append(ref)
 
-    Serialised per job (handlers run in threads) and retried on conflicts, so the last writer
-    always computed from the latest state. Without `error`, the spec is rendered again to find out
-    whether it is (still) unrenderable. None when the job is gone or being deleted.
+
+def status_patch(job: Mapping[str, Any], rayjob: Mapping[str, Any] | None, pods: list[Mapping[str, Any]],
+                 problem: RenderError | None) -> dict:
+    """The status the job should have now (see status.compute_status)."""
+    return compute_status(job, rayjob, pods, now(), str(problem) if problem else None,
+                          error_reason=problem.reason if problem else "InvalidSpec")
+
+
+async def write_status(kube: Kube, job: Mapping[str, Any], patch: Mapping[str, Any]) -> dict:
+    """Merge-patch the status, conditional on the resourceVersion it was computed from (409 otherwise).
+
+    Returns the job as the API server now has it.
     """
-    with _lock_for(namespace, name):
-        for _ in range(CONFLICT_RETRIES):
-            job = kube.get(JOB_API_VERSION, KIND, namespace, name)
-            if job is None or job["metadata"].get("deletionTimestamp"):
-                return None
-            problem = error or _render_problem(job, settings)
-            rayjob = kube.get("ray.io/v1", "RayJob", namespace, names.rayjob_name(name))
-            foreign = rayjob is not None and ownership_problem(rayjob, _owner(job))
-            if foreign:
-                problem = problem or ChildConflict(foreign, temporary=stale_owner(rayjob, _owner(job)))
-                rayjob = None
-            pods = _pods(kube, namespace, name, rayjob)
-            before = job.get("status") or {}
-            patch = compute_status(job, rayjob, pods, now(), str(problem) if problem else None,
-                                   error_reason=problem.reason if problem else "InvalidSpec")
-            if not status_changed(before, patch):
-                return StatusWrite(before, before, job)
-            body = {"metadata": {"resourceVersion": job["metadata"]["resourceVersion"]}, "status": patch}
-            try:
-                kube.patch(JOB_API_VERSION, KIND, namespace, name, body, status=True)
-            except ApiException as e:
-                if e.status == 409:
-                    continue
-                raise
-            after = {k: v for k, v in {**before, **patch}.items() if v is not None}
-            return StatusWrite(before, after, job)
-    raise ApiException(status=409, reason=f"status of {namespace}/{name} kept changing under the operator")
+    meta = job["metadata"]
+    body = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": patch}
+    return await kube.patch(JOB_API_VERSION, KIND, meta["namespace"], meta["name"], body, status=True)
+
+
+def foreign_rayjob(job: Mapping[str, Any], rayjob: Mapping[str, Any] | None) -> ChildConflict | None:
+    """The RayJob under the job's child name belongs to someone else."""
+    problem = rayjob is not None and ownership_problem(rayjob, _owner(job))
+    if not problem:
+        return None
+    return ChildConflict(problem, temporary=stale_owner(rayjob, _owner(job)))
 
 
 def job_name_of(child: Mapping[str, Any]) -> str | None:
@@ -145,34 +144,39 @@ def job_name_of(child: Mapping[str, Any]) -> str | None:
 # -- helpers --------------------------------------------------------------------------------------------
 
 
-def _create(kube: Kube, desired: Mapping[str, Any]) -> dict | None:
-    """Create; on AlreadyExists (another reconcile got there first) return the existing object."""
+async def _create(kube: Kube, desired: Mapping[str, Any]) -> tuple[dict | None, dict | None]:
+    """(created, None); on AlreadyExists (a previous run or another reconcile got there first) (None, existing)."""
     try:
-        kube.create(desired)
-        return None
+        return await kube.create(desired), None
     except ApiException as e:
         if e.status != 409:
             raise
     meta = desired["metadata"]
-    return kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+    existing = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+    if existing is None:  # deleted again in between (garbage collection of a stale one): next time
+        raise ApiException(status=409, reason=f"{desired['kind']} {meta['name']} is being replaced")
+    return None, existing
 
 
-def _update_rayjob(kube: Kube, existing: dict, desired: Mapping[str, Any], rollout_group: str | None) -> bool:
-    """Patch the allowed fields once per spec generation, so Kueue's or a user's later flips stand."""
+async def _update_rayjob(kube: Kube, existing: dict, desired: Mapping[str, Any],
+                         rollout_group: str | None) -> dict | None:
+    """Patch the allowed fields once per spec generation, so Kueue's or a user's later flips stand.
+
+    The patched RayJob, or None when there was nothing to do.
+    """
     meta = desired["metadata"]
     for _ in range(CONFLICT_RETRIES):
         if _generation(existing) == _generation(desired):
-            return False
+            return None
         ops = rayjob_patch(existing, desired, rollout_group)
         if not ops:
-            return False
+            return None
         try:
-            kube.patch("ray.io/v1", "RayJob", meta["namespace"], meta["name"], ops, json_patch=True)
-            return True
+            return await kube.patch("ray.io/v1", "RayJob", meta["namespace"], meta["name"], ops, json_patch=True)
         except ApiException as e:
             if e.status not in RETRYABLE:
                 raise
-        existing = kube.get("ray.io/v1", "RayJob", meta["namespace"], meta["name"]) or existing
+        existing = await kube.get("ray.io/v1", "RayJob", meta["namespace"], meta["name"]) or existing
     raise ApiException(status=409, reason=f"RayJob {meta['name']} kept changing under the operator")
 
 
@@ -185,31 +189,6 @@ def _finished(job: Mapping[str, Any]) -> bool:
     return any(c.get("type") in ("Succeeded", "Failed") and c.get("status") == "True" for c in conditions)
 
 
-def _render_problem(job: Mapping[str, Any], settings: OperatorSettings) -> RenderError | None:
-    try:
-        render(job, settings)
-    except RenderError as e:
-        return e
-    return None
-
-
 def _owner(job: Mapping[str, Any]) -> dict | None:
     meta = job["metadata"]
     return owner_reference(meta["name"], meta.get("uid"))
-
-
-def _pods(kube: Kube, namespace: str, name: str, rayjob: Mapping[str, Any] | None) -> list[dict]:
-    """The job's Ray pods, read only while they can explain a wait (not for a finished RayJob)."""
-    deployment = ((rayjob or {}).get("status") or {}).get("jobDeploymentStatus") or ""
-    if rayjob is None or deployment in TERMINAL:
-        return []
-    return kube.list("v1", "Pod", namespace, f"{names.JOB_LABEL}={name}")
-
-
-_locks: dict[tuple[str, str], threading.Lock] = {}
-_locks_guard = threading.Lock()
-
-
-def _lock_for(namespace: str, name: str) -> threading.Lock:
-    with _locks_guard:
-        return _locks.setdefault((namespace, name), threading.Lock())

@@ -50,8 +50,13 @@ class OperatorSettings:
     """Seconds between safety-net resyncs; status normally follows watch events."""
     event_level: str = "INFO"
     """Lowest level of the Kubernetes Events the operator posts (INFO posts Normal events too)."""
-    workers: int = 32
-    """Threads for the (blocking) handlers: creates must not queue behind pod and RayJob events."""
+    status_min_interval: float = 1.0
+    """Seconds between two runs for one job: a burst of pod events becomes one status write."""
+    status_writes_per_s: float = 10.0
+    """Status writes of all jobs together, per second: at scale they wait, and merge, rather than crowd
+    the API server KubeRay and the scheduler need."""
+    max_requests: int = 32
+    """API requests in flight at once; more wait for a connection instead of crowding the API server."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> OperatorSettings:
@@ -128,8 +133,14 @@ def from_env(environ: Mapping[str, str], **overrides: object) -> OperatorSetting
         values["runtime_image"] = env["RUNTIME_IMAGE"]
     if env.get("STATUS_INTERVAL"):
         values["status_interval"] = _positive_float(f"{ENV_PREFIX}STATUS_INTERVAL", env["STATUS_INTERVAL"])
-    if env.get("WORKERS"):
-        values["workers"] = max(1, int(_positive_float(f"{ENV_PREFIX}WORKERS", env["WORKERS"])))
+    if env.get("STATUS_MIN_INTERVAL"):
+        values["status_min_interval"] = _positive_float(f"{ENV_PREFIX}STATUS_MIN_INTERVAL",
+                                                        env["STATUS_MIN_INTERVAL"])
+    if env.get("STATUS_WRITES_PER_S"):
+        values["status_writes_per_s"] = _positive_float(f"{ENV_PREFIX}STATUS_WRITES_PER_S",
+                                                        env["STATUS_WRITES_PER_S"])
+    if env.get("MAX_REQUESTS"):
+        values["max_requests"] = max(1, int(_positive_float(f"{ENV_PREFIX}MAX_REQUESTS", env["MAX_REQUESTS"])))
     values.update({k: v for k, v in overrides.items() if v is not None})
     settings = OperatorSettings(**values)  # type: ignore[arg-type]
     for level in (settings.log_level, settings.event_level):

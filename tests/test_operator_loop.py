@@ -1,0 +1,446 @@
+"""The operator's control loop as logic: which requests it makes for which events, and when it waits.
+
+The Kubernetes side is an in-memory store (allowed for logic around the client); the real API server,
+KubeRay and the operator process are exercised in e2e/test_operator.py and e2e/test_cluster_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import json
+import uuid
+from collections.abc import Awaitable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hybridflow_operator import names
+from hybridflow_operator.controller import RETRY_DELAY_S, Controller, Observed, newer
+from hybridflow_operator.kube import ApiException
+from hybridflow_operator.ratelimit import TokenBucket
+from hybridflow_operator.settings import OperatorSettings
+from hybridflow_operator.workqueue import WorkQueue
+
+ROOT = Path(__file__).resolve().parent.parent
+NS = "team-a"
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def api_error(status: int, body: Mapping[str, Any] | None = None) -> ApiException:
+    error = ApiException(status=status, reason="refused")
+    error.body = json.dumps(body or {"message": f"refused with {status}"})
+    return error
+
+
+class MemoryKube:
+    """Objects by (kind, namespace, name) with resourceVersions; records every request it serves."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict] = {}
+        self.requests: list[tuple[str, str, str]] = []
+        self.refuse: dict[tuple[str, str], ApiException] = {}  # (verb, kind) -> error to raise
+        self._rv = 100
+
+    def put(self, obj: Mapping[str, Any]) -> dict:
+        stored = copy.deepcopy(dict(obj))
+        self._rv += 1
+        meta = stored["metadata"]
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta["resourceVersion"] = str(self._rv)
+        self.objects[(stored["kind"], meta["namespace"], meta["name"])] = stored
+        return copy.deepcopy(stored)
+
+    def _serve(self, verb: str, kind: str, name: str) -> None:
+        self.requests.append((verb, kind, name))
+        if (verb, kind) in self.refuse:
+            raise self.refuse[(verb, kind)]
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        self._serve("get", kind, name)
+        found = self.objects.get((kind, namespace, name))
+        return copy.deepcopy(found) if found else None
+
+    async def create(self, obj: Mapping[str, Any]) -> dict:
+        meta = obj["metadata"]
+        self._serve("create", obj["kind"], meta["name"])
+        if (obj["kind"], meta["namespace"], meta["name"]) in self.objects:
+            raise api_error(409)
+        return self.put(obj)
+
+    async def patch(self, api_version: str, kind: str, namespace: str, name: str, body: Any, *,
+                    json_patch: bool = False, status: bool = False) -> dict:
+        self._serve("patch-status" if status else "patch", kind, name)
+        current = self.objects.get((kind, namespace, name))
+        if current is None:
+            raise api_error(404)
+        assert status and not json_patch, "only status patches are modelled"
+        if body["metadata"]["resourceVersion"] != current["metadata"]["resourceVersion"]:
+            raise api_error(409)
+        merged = {k: v for k, v in {**(current.get("status") or {}), **body["status"]}.items() if v is not None}
+        return self.put({**current, "status": merged})
+
+    def verbs(self) -> list[tuple[str, str]]:
+        return [(verb, kind) for verb, kind, _ in self.requests]
+
+
+def new_job(kube: MemoryKube, name: str = "ppo", **spec_changes: Any) -> dict:
+    doc = yaml.safe_load((ROOT / "examples" / "ppo-job.yaml").read_text())
+    doc["metadata"].update(name=name, namespace=NS, generation=1)
+    doc["spec"].update(spec_changes)
+    return kube.put(doc)
+
+
+class Loop:
+    """A Controller on a MemoryKube, with its Events collected."""
+
+    def __init__(self, kube: MemoryKube, **settings: Any) -> None:
+        self.kube = kube
+        self.events: list[tuple[str, str, str]] = []
+        self.controller = Controller(kube, OperatorSettings(**{"status_min_interval": 0.01, **settings}),  # type: ignore[arg-type]
+                                     lambda ref, kind, reason, message: self.events.append((kind, reason, message)))
+
+    def stored_job(self, name: str = "ppo") -> dict:
+        return self.kube.objects[("RLTrainingJob", NS, name)]
+
+    def rayjob(self, name: str = "ppo") -> dict | None:
+        return self.kube.objects.get(("RayJob", NS, names.rayjob_name(name)))
+
+    async def settle(self) -> None:
+        await settle(self.controller.queue)
+
+
+def condition(job: Mapping[str, Any], kind: str) -> dict:
+    return next(c for c in job["status"]["conditions"] if c["type"] == kind)
+
+
+async def settle(queue: WorkQueue[Any], timeout: float = 5.0) -> None:
+    """Until the queue has nothing left to do, delayed runs included."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    await asyncio.sleep(0)
+    while not queue.idle:
+        assert asyncio.get_running_loop().time() < deadline, "the work queue never went idle"
+        await asyncio.sleep(0.005)
+
+
+# -- the work queue ---------------------------------------------------------------------------------------
+
+
+def test_events_during_a_run_coalesce_into_one_more_run() -> None:
+    async def scenario() -> list[str]:
+        runs: list[str] = []
+        gate = asyncio.Event()
+
+        async def work(key: str) -> None:
+            runs.append(key)
+            await gate.wait()
+
+        queue: WorkQueue[str] = WorkQueue(work, min_interval=0.0, error_delay=1.0)
+        queue.add("a")
+        await asyncio.sleep(0)
+        for _ in range(20):
+            queue.add("a")  # while the first run is in progress
+        queue.add("b")
+        gate.set()
+        await settle(queue)
+        return runs
+
+    runs = run(scenario())
+    assert sorted(runs) == ["a", "a", "b"]
+
+
+def test_runs_of_one_key_are_spaced_by_the_minimum_interval() -> None:
+    async def scenario() -> list[float]:
+        loop = asyncio.get_running_loop()
+        starts: list[float] = []
+
+        async def work(key: str) -> None:
+            starts.append(loop.time())
+            if len(starts) < 3:
+                queue.add(key)  # something new arrived during the run
+
+        queue: WorkQueue[str] = WorkQueue(work, min_interval=0.2, error_delay=1.0)
+        queue.add("a")
+        await settle(queue)
+        return starts
+
+    starts = run(scenario())
+    assert len(starts) == 3
+    assert all(later - earlier >= 0.19 for earlier, later in itertools.pairwise(starts))
+
+
+def test_a_delayed_retry_is_replaced_by_an_earlier_one_and_a_failure_retries() -> None:
+    async def scenario() -> tuple[list[float], float]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        starts: list[float] = []
+
+        async def work(key: str) -> float | None:
+            starts.append(loop.time() - t0)
+            if len(starts) == 1:
+                raise RuntimeError("a bug")  # retried after error_delay
+            return None
+
+        queue: WorkQueue[str] = WorkQueue(work, min_interval=0.0, error_delay=0.1)
+        queue.add("a", after=5.0)
+        queue.add("a", after=0.05)  # earlier: wins
+        await asyncio.sleep(0.4)
+        await settle(queue)
+        queue.close()
+        return starts, loop.time() - t0
+
+    starts, _ = run(scenario())
+    assert len(starts) == 2
+    assert 0.04 <= starts[0] < 1.0 and starts[1] - starts[0] >= 0.09
+
+
+def test_the_token_bucket_allows_a_burst_then_its_rate() -> None:
+    async def scenario() -> list[float]:
+        loop = asyncio.get_running_loop()
+        bucket = TokenBucket(rate=20.0, burst=5)
+        t0 = loop.time()
+        times = []
+        for _ in range(15):
+            await bucket.acquire()
+            times.append(loop.time() - t0)
+        return times
+
+    times = run(scenario())
+    assert times[4] < 0.05  # the burst
+    assert 0.45 <= times[-1] < 1.0  # then 10 more at 20 a second
+
+
+# -- what the watches saw ----------------------------------------------------------------------------------
+
+
+def test_an_older_event_never_replaces_a_newer_object() -> None:
+    observed = Observed()
+    meta = {"name": "ppo", "namespace": NS, "uid": "u1"}
+    observed.job({"metadata": {**meta, "resourceVersion": "12", "managedFields": [{"manager": "x"}]}})
+    observed.job({"metadata": {**meta, "resourceVersion": "9"}})
+    assert observed.jobs[(NS, "ppo")]["metadata"]["resourceVersion"] == "12"
+    assert "managedFields" not in observed.jobs[(NS, "ppo")]["metadata"]
+    # a job recreated under the same name is a new object, whatever its resourceVersion
+    assert newer({"metadata": {**meta, "uid": "u2", "resourceVersion": "3"}}, observed.jobs[(NS, "ppo")])
+
+
+def test_pods_are_kept_by_their_job_and_forgotten_when_deleted() -> None:
+    observed = Observed()
+    pod = {"metadata": {"name": "ppo-head", "namespace": NS, "labels": {names.JOB_LABEL: "ppo"}},
+           "spec": {"containers": [{"name": "ray-head"}]}, "status": {"phase": "Pending"}}
+    assert observed.pod(pod) == (NS, "ppo")
+    assert observed.pods[(NS, "ppo")]["ppo-head"] == {"metadata": {"name": "ppo-head"},
+                                                       "status": {"phase": "Pending", "conditions": []}}
+    observed.pod(pod, deleted=True)
+    assert (NS, "ppo") not in observed.pods
+    assert observed.pod({"metadata": {"name": "other", "namespace": NS}}) is None  # not a job's pod
+
+
+# -- the controller ---------------------------------------------------------------------------------------
+
+
+def test_a_new_job_costs_five_creates_and_one_status_write() -> None:
+    async def scenario() -> Loop:
+        loop = Loop(MemoryKube())
+        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        await loop.settle()
+        return loop
+
+    loop = run(scenario())
+    assert sorted(loop.kube.verbs()) == sorted([
+        ("create", "ConfigMap"), ("create", "ServiceAccount"), ("create", "Role"), ("create", "RoleBinding"),
+        ("create", "RayJob"), ("patch-status", "RLTrainingJob"),
+    ])
+    job = loop.stored_job()
+    assert job["status"]["rayJobName"] == names.rayjob_name("ppo")
+    assert job["status"]["observedGeneration"] == 1
+    assert condition(job, "Reconciling")["status"] == "True"
+    (created,) = [e for e in loop.events if e[1] == "Created"]
+    assert created[0] == "Normal" and "RayJob/" in created[2] and "ConfigMap/" in created[2]
+
+
+def test_events_after_the_job_was_applied_cost_no_requests() -> None:
+    async def scenario() -> Loop:
+        loop = Loop(MemoryKube())
+        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        await loop.settle()
+        loop.kube.requests.clear()
+        loop.controller.job_event(loop.stored_job(), "MODIFIED")  # its own status write coming back
+        loop.controller.rayjob_event(loop.rayjob(), "ADDED")
+        await loop.settle()
+        return loop
+
+    loop = run(scenario())
+    assert loop.kube.requests == []
+
+
+def test_status_writes_of_many_jobs_are_rate_limited_and_merge_changes() -> None:
+    async def scenario() -> tuple[Loop, float]:
+        loop = Loop(MemoryKube(), status_writes_per_s=10.0)
+        t0 = asyncio.get_running_loop().time()
+        for i in range(20):
+            loop.controller.job_event(new_job(loop.kube, f"job-{i}"), "ADDED")
+        await loop.settle()
+        return loop, asyncio.get_running_loop().time() - t0
+
+    loop, elapsed = run(scenario())
+    assert loop.kube.verbs().count(("create", "RayJob")) == 20  # creates are never held back
+    assert loop.kube.verbs().count(("patch-status", "RLTrainingJob")) == 20
+    assert elapsed >= 0.9  # 10 at once, then 10 more at 10 a second
+
+
+def test_a_burst_of_pod_events_costs_at_most_a_write_per_interval() -> None:
+    async def scenario() -> tuple[Loop, int]:
+        loop = Loop(MemoryKube(), status_min_interval=0.2)
+        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        await loop.settle()
+        loop.kube.requests.clear()
+        runs = 0
+        process = loop.controller.process
+
+        async def counted(key: tuple[str, str]) -> float | None:
+            nonlocal runs
+            runs += 1
+            return await process(key)
+
+        loop.controller.queue._work = counted
+        unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                         "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}
+        for i in range(30):
+            pod = {"metadata": {"name": f"ppo-worker-{i % 3}", "namespace": NS, "labels": {names.JOB_LABEL: "ppo"}},
+                   "status": {"phase": "Pending", "conditions": [unschedulable]}}
+            loop.controller.pod_event(pod, "MODIFIED")
+            await asyncio.sleep(0.005)
+        await loop.settle()
+        return loop, runs
+
+    loop, runs = run(scenario())
+    assert runs <= 2  # 30 events
+    assert set(loop.kube.verbs()) == {("patch-status", "RLTrainingJob")} and len(loop.kube.verbs()) <= runs
+    reconciling = condition(loop.stored_job(), "Reconciling")
+    assert reconciling["reason"] == "Unschedulable" and reconciling["message"].startswith("3 pod(s) unschedulable")
+
+
+def test_a_deleted_rayjob_is_recreated_after_reading_the_job_again() -> None:
+    async def scenario() -> Loop:
+        loop = Loop(MemoryKube())
+        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        await loop.settle()
+        lost = loop.rayjob()
+        assert lost is not None
+        del loop.kube.objects[("RayJob", NS, lost["metadata"]["name"])]
+        loop.kube.requests.clear()
+        loop.controller.rayjob_event(lost, "DELETED")
+        await loop.settle()
+        return loop
+
+    loop = run(scenario())
+    assert loop.kube.requests[0] == ("get", "RLTrainingJob", "ppo")
+    assert ("create", "RayJob", names.rayjob_name("ppo")) in loop.kube.requests
+    assert ("create", "ConfigMap", names.config_map_name("ppo")) not in loop.kube.requests  # checked, not recreated
+    assert loop.rayjob() is not None
+
+
+def test_a_finished_jobs_rayjob_is_not_started_again() -> None:
+    async def scenario() -> Loop:
+        loop = Loop(MemoryKube())
+        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        await loop.settle()
+        job = loop.stored_job()
+        for c in job["status"]["conditions"]:
+            if c["type"] == "Succeeded":
+                c["status"] = "True"
+        finished = loop.kube.put(job)
+        loop.controller.job_event(finished, "MODIFIED")
+        lost = loop.rayjob()
+        assert lost is not None
+        del loop.kube.objects[("RayJob", NS, lost["metadata"]["name"])]
+        loop.controller.rayjob_event(lost, "DELETED")
+        await loop.settle()
+        return loop
+
+    loop = run(scenario())
+    assert loop.rayjob() is None
+
+
+def test_an_unrenderable_spec_stalls_once_and_is_not_retried() -> None:
+    async def scenario() -> Loop:
+        loop = Loop(MemoryKube(), gpu_products={"H100-80GB": ("NVIDIA-H100-80GB-HBM3",)})  # no A100 here
+        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        await loop.settle()
+        for _ in range(3):
+            loop.controller.job_event(loop.stored_job(), "MODIFIED")
+            await loop.settle()
+        return loop
+
+    loop = run(scenario())
+    assert loop.kube.verbs() == [("patch-status", "RLTrainingJob")]
+    job = loop.stored_job()
+    assert condition(job, "Stalled")["status"] == "True" and job["status"]["phase"] == "Stalled"
+    assert [e[:2] for e in loop.events] == [("Warning", condition(job, "Stalled")["reason"])]
+
+
+def test_a_terminating_namespace_is_left_alone() -> None:
+    async def scenario() -> tuple[Loop, float | None]:
+        loop = Loop(MemoryKube())
+        terminating = api_error(403, {"message": "namespace is being terminated",
+                                      "details": {"causes": [{"reason": "NamespaceTerminating"}]}})
+        for kind in ("ConfigMap", "ServiceAccount", "Role", "RoleBinding", "RayJob"):
+            loop.kube.refuse[("create", kind)] = terminating
+        key = loop.controller.observed.job(new_job(loop.kube))
+        return loop, await loop.controller.process(key)
+
+    loop, retry = run(scenario())
+    assert retry is None
+    assert ("patch-status", "RLTrainingJob") not in loop.kube.verbs() and loop.events == []
+
+
+def test_an_api_error_retries_later() -> None:
+    async def scenario() -> float | None:
+        loop = Loop(MemoryKube())
+        loop.kube.refuse[("create", "RayJob")] = api_error(500)
+        key = loop.controller.observed.job(new_job(loop.kube))
+        return await loop.controller.process(key)
+
+    assert run(scenario()) == RETRY_DELAY_S
+
+
+def test_a_status_conflict_is_recomputed_from_the_job_read_again() -> None:
+    async def scenario() -> Loop:
+        loop = Loop(MemoryKube())
+        stale = new_job(loop.kube)
+        # someone else (the runtime's progress reporter) writes after the event was seen
+        loop.kube.put({**stale, "status": {"progress": {"step": 3}}})
+        loop.controller.job_event(stale, "ADDED")
+        await loop.settle()
+        return loop
+
+    loop = run(scenario())
+    assert loop.kube.verbs().count(("patch-status", "RLTrainingJob")) == 2
+    assert ("get", "RLTrainingJob") in loop.kube.verbs()
+    job = loop.stored_job()
+    assert job["status"]["progress"] == {"step": 3} and job["status"]["rayJobName"]
+
+
+@pytest.mark.parametrize("event_type", ["DELETED", None])
+def test_a_deleted_or_deleting_job_is_forgotten(event_type: str | None) -> None:
+    async def scenario() -> Loop:
+        loop = Loop(MemoryKube())
+        job = new_job(loop.kube)
+        if event_type is None:
+            job["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        loop.controller.job_event(job, event_type)
+        await loop.settle()
+        return loop
+
+    loop = run(scenario())
+    assert loop.kube.requests == []
+    assert loop.controller.observed.jobs.get((NS, "ppo"), {}).get("metadata", {}).get("deletionTimestamp") or \
+        (NS, "ppo") not in loop.controller.observed.jobs
+
