@@ -94,7 +94,8 @@ STAGES_NOTE = (
     "(the watch event reaching the operator, its work queue, the render); apply: that request -> the RayJob "
     "created (the five children are created together)"
 )
-OPERATOR_SETTINGS = ("max_requests", "status_min_interval", "status_interval")  # recorded with each run
+# recorded with each run
+OPERATOR_SETTINGS = ("max_requests", "status_min_interval", "status_writes_per_s", "status_interval")
 CHILD_RESOURCES = {"configmaps": names.config_map_name, "serviceaccounts": names.runtime_identity_name,
                    "roles": names.runtime_identity_name, "rolebindings": names.runtime_identity_name,
                    "rayjobs": names.rayjob_name}
@@ -882,6 +883,9 @@ def what_if_summary(doc: Mapping[str, Any]) -> dict[str, Any]:
             "kuberay_alone_pods_bound_s": size["kuberay_alone"].get("pods_bound_s"),
             "kuberay_alone_other_cpu_s": (size["kuberay_alone"].get("cpu_s") or {}).get("other"),
             "pods_bound_overhead_ratio": size.get("pods_bound_overhead_ratio"),
+            "repeat_ratios": [r["pods_bound_overhead_ratio"] for r in size.get("repeats") or []],
+            "status_writes_per_s": ((doc.get("environment") or {}).get("operator_settings") or {}).get(
+                "status_writes_per_s"),
         }
         if ours.get("tracemalloc"):
             out[n]["tracemalloc"] = [_short_path(line) for line in ours["tracemalloc"]]
@@ -926,7 +930,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.render:
         doc = drop_thread_pool_fields(json.loads((out / "operator.json").read_text()))
         for item in args.attach:
-            name, _, where = item.partition("=")
+            name, _, where = item.rpartition("=")  # a name may hold "=": the path comes last
             other = json.loads((Path(where) / "operator.json").read_text())
             doc.setdefault("what_if", {})[name] = what_if_summary(other)
         if args.previous:
@@ -1104,7 +1108,9 @@ Requests per job until the last pod was bound / until the operator fell quiet:
        f"{_fmt(requests[n]['per_job_until_quiet'], '', 1)} at N = {n}" for n in sizes])}. At N = {big},
 until quiet: {_and(groups)} per job (by kind, the largest: {kinds}). A new job needs
 its five creates and one `Created` Event; after that a status PATCH only when the status changed, at most one
-per job every {min_interval} (`status_min_interval`), with an Event per transition it shows. Nothing is read
+per job every {min_interval} (`status_min_interval`) and {operator_setting(doc, "status_writes_per_s")} a second
+for all jobs together (`status_writes_per_s`), with an Event per transition it shows. The first status write
+of a new job waits one interval, so that it carries the RayJob's first status too. Nothing is read
 to compute a status: the RayJob and the pods come from the watches. Reads are GETs of the children of a job
 that already has a status (a spec change, the resync, a restart), of a child whose create answered 409, and
 of a job whose status write met a conflict or whose RayJob vanished.
@@ -1180,6 +1186,11 @@ def _headline_value(summary: Mapping[str, Any], key: str) -> float | None:
     return run.get(metric)
 
 
+def _repeats(summary: Mapping[str, Any]) -> str:
+    ratios = summary.get("repeat_ratios") or []
+    return f" (median of {', '.join(_fmt(r) for r in ratios)})" if len(ratios) > 1 else ""
+
+
 def every_run(doc: Mapping[str, Any]) -> str:
     """One table of this run and the other runs attached to it."""
     runs: dict[str, Mapping[str, Any]] = {"this one": what_if_summary(doc), **other_runs(doc)}
@@ -1188,7 +1199,7 @@ def every_run(doc: Mapping[str, Any]) -> str:
     rows = [
         f"| {name} | {n} | {_p(r['apply_to_rayjob_s'])} | {_fmt(r['every_rayjob_exists_s'], ' s', 0)} "
         f"| {_fmt(r['pods_bound_s'], ' s', 0)} | {_fmt(r.get('kuberay_alone_pods_bound_s'), ' s', 0)} "
-        f"| {_fmt(r.get('pods_bound_overhead_ratio'))} | {_fmt(r['operator_peak_rss_mb'], ' MB', 0)} "
+        f"| {_fmt(r.get('pods_bound_overhead_ratio'))}{_repeats(r)} | {_fmt(r['operator_peak_rss_mb'], ' MB', 0)} "
         f"| {_fmt(r.get('api_requests_per_job_until_quiet'), '', 1)} "
         f"| {_fmt(r.get('kuberay_alone_other_cpu_s'), '', 0)} / {_fmt(r['machine_other_cpu_s'], '', 0)} |"
         for name, summary in runs.items()
@@ -1200,7 +1211,8 @@ def every_run(doc: Mapping[str, Any]) -> str:
 This run and the other runs attached to it (`--render --attach NAME=DIR`; a `--no-baseline` run has no
 KubeRay-alone phase) on the same machine. The absolute times, and with them the operator's peak RSS, move
 with the load other people's jobs put on the machine (last column: their CPU seconds during the KubeRay-alone /
-hybridflow phase). API requests per job are counted until the operator fell quiet.
+hybridflow phase). API requests per job are counted until the operator fell quiet. A what-if's name says
+what it changed (`HYBRIDFLOW_*` settings of the operator).
 
 {REPEAT_HEADER}
 {chr(10).join(rows)}
@@ -1325,7 +1337,14 @@ def what_changed(doc: Mapping[str, Any]) -> str:
   otherwise each is read first.
 - **Status from memory.** The status is computed from the RayJob and the pods the watches delivered (no reads)
   and PATCHed only when it changed; one Event per kind of change ("created ConfigMap/…, RayJob/…"), not one
-  per child.
+  per child. Pods are watched only while Pending (a field selector): only a Pending pod can explain a wait.
+- **Status writes are paced.** All jobs together write at most `status_writes_per_s`
+  ({operator_setting(doc, 'status_writes_per_s')}) statuses a second (a token bucket, `ratelimit.py`); a job
+  waiting for its turn writes the status as it is by then, so the wait merges changes. Each status write
+  makes the API server decode, validate and store the whole RLTrainingJob and send it to every watcher:
+  during a burst those writes compete with the requests of KubeRay, whose single worker creates the Ray
+  clusters one after another. Creates are never held back; statuses lag instead (at this rate, about
+  N / {operator_setting(doc, 'status_writes_per_s')} seconds for the last of N jobs submitted at once).
 - **An asynchronous client with a cap.** aiohttp on kopf's event loop, at most `max_requests`
   ({operator_setting(doc, 'max_requests')}) requests in flight; the others wait for a connection.
 - **Nothing per object for kopf.** No finalizer, no progress or diffbase annotations, so a new job costs no
