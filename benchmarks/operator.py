@@ -95,7 +95,8 @@ STAGES_NOTE = (
     "created (the five children are created together)"
 )
 # recorded with each run
-OPERATOR_SETTINGS = ("max_requests", "status_min_interval", "status_writes_per_s", "status_interval")
+OPERATOR_SETTINGS = ("max_requests", "status_min_interval", "status_writes_per_s", "spin_up_jobs",
+                     "status_interval")
 CHILD_RESOURCES = {"configmaps": names.config_map_name, "serviceaccounts": names.runtime_identity_name,
                    "roles": names.runtime_identity_name, "rolebindings": names.runtime_identity_name,
                    "rayjobs": names.rayjob_name}
@@ -1109,7 +1110,8 @@ Requests per job until the last pod was bound / until the operator fell quiet:
 until quiet: {_and(groups)} per job (by kind, the largest: {kinds}). A new job needs
 its five creates and one `Created` Event; after that a status PATCH only when the status changed, at most one
 per job every {min_interval} (`status_min_interval`) and {operator_setting(doc, "status_writes_per_s")} a second
-for all jobs together (`status_writes_per_s`), with an Event per transition it shows. The first status write
+for all jobs together (`status_writes_per_s`, shared out while many clusters start), with an Event per
+transition it shows. The first status write
 of a new job waits one interval, so that it carries the RayJob's first status too. Nothing is read
 to compute a status: the RayJob and the pods come from the watches. Reads are GETs of the children of a job
 that already has a status (a spec change, the resync, a restart), of a child whose create answered 409, and
@@ -1339,12 +1341,14 @@ def what_changed(doc: Mapping[str, Any]) -> str:
   and PATCHed only when it changed; one Event per kind of change ("created ConfigMap/…, RayJob/…"), not one
   per child. Pods are watched only while Pending (a field selector): only a Pending pod can explain a wait.
 - **Status writes are paced.** All jobs together write at most `status_writes_per_s`
-  ({operator_setting(doc, 'status_writes_per_s')}) statuses a second (a token bucket, `ratelimit.py`); a job
-  waiting for its turn writes the status as it is by then, so the wait merges changes. Each status write
-  makes the API server decode, validate and store the whole RLTrainingJob and send it to every watcher:
-  during a burst those writes compete with the requests of KubeRay, whose single worker creates the Ray
-  clusters one after another. Creates are never held back; statuses lag instead (at this rate, about
-  N / {operator_setting(doc, 'status_writes_per_s')} seconds for the last of N jobs submitted at once).
+  ({operator_setting(doc, 'status_writes_per_s')}) statuses a second (a token bucket, `ratelimit.py`), and
+  while more than `spin_up_jobs` ({operator_setting(doc, 'spin_up_jobs')}) RayJobs are initializing that rate
+  is shared out among them (rate * spin_up_jobs / initializing, at least 1 a second). A job waiting for its
+  turn writes the status as it is by then, so the wait merges changes. Each status write makes the API server
+  decode, validate and store the whole RLTrainingJob and send it to every watcher: during a burst those writes
+  compete with the requests of KubeRay, whose single worker creates the Ray clusters one after another.
+  Creates are never held back; during a burst of N jobs statuses lag instead, until the clusters have
+  started.
 - **An asynchronous client with a cap.** aiohttp on kopf's event loop, at most `max_requests`
   ({operator_setting(doc, 'max_requests')}) requests in flight; the others wait for a connection.
 - **Nothing per object for kopf.** No finalizer, no progress or diffbase annotations, so a new job costs no

@@ -295,6 +295,20 @@ def test_status_writes_of_many_jobs_are_rate_limited_and_merge_changes() -> None
     assert elapsed >= 0.9  # 10 at once, then 10 more at 10 a second
 
 
+@pytest.mark.parametrize(("starting", "running", "rate"), [(0, 50, 10.0), (10, 0, 10.0), (20, 5, 5.0), (100, 0, 1.0),
+                                                            (500, 0, 1.0)])
+def test_status_writes_slow_down_while_many_ray_clusters_start(starting: int, running: int, rate: float) -> None:
+    loop = Loop(MemoryKube(), status_writes_per_s=10.0, spin_up_jobs=10)
+    for i in range(starting + running):
+        deployment = "Initializing" if i < starting else "Running"
+        loop.controller.observed.rayjob({
+            "metadata": {"name": f"job-{i}", "namespace": NS, "uid": f"u{i}", "resourceVersion": "1",
+                         "labels": {names.JOB_LABEL: f"job-{i}"}},
+            "status": {"jobDeploymentStatus": deployment} if i % 2 or deployment == "Running" else {},
+        })
+    assert loop.controller.status_write_rate() == pytest.approx(rate)
+
+
 def test_a_burst_of_pod_events_costs_at_most_a_write_per_interval() -> None:
     async def scenario() -> tuple[Loop, int]:
         loop = Loop(MemoryKube(), status_min_interval=0.2)

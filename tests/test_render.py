@@ -561,13 +561,14 @@ def test_settings_from_env() -> None:
         "HYBRIDFLOW_STATUS_MIN_INTERVAL": "0.5",
         "HYBRIDFLOW_STATUS_WRITES_PER_S": "50",
         "HYBRIDFLOW_MAX_REQUESTS": "16",
+        "HYBRIDFLOW_SPIN_UP_JOBS": "25",
     })
     assert s.watch_namespaces == ("team-a", "team-b") and not s.clusterwide
     assert s.log_level == "DEBUG"
     assert dict(s.gpu_products) == {"A100-80GB": ("NVIDIA-A100-SXM4-80GB",), "L4": ("NVIDIA-L4",)}
     assert s.runtime_image == "registry.local/rt:2"
     assert s.status_interval == 60.0
-    assert (s.status_min_interval, s.status_writes_per_s, s.max_requests) == (0.5, 50.0, 16)
+    assert (s.status_min_interval, s.status_writes_per_s, s.max_requests, s.spin_up_jobs) == (0.5, 50.0, 16, 25)
 
 
 def test_settings_classmethod_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:

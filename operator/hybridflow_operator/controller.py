@@ -31,7 +31,7 @@ from hybridflow_operator.reconcile import (
     write_status,
 )
 from hybridflow_operator.settings import OperatorSettings
-from hybridflow_operator.status import TERMINAL, status_changed, transitions
+from hybridflow_operator.status import INITIALIZING, TERMINAL, status_changed, transitions
 from hybridflow_operator.workqueue import WorkQueue
 
 Key = tuple[str, str]  # (namespace, job name)
@@ -233,6 +233,7 @@ class Controller:
             if not status_changed(before, patch):
                 return
             if not waited:  # wait for a write slot once, then write what is true by then
+                self.status_writes.set_rate(self.status_write_rate())
                 await self.status_writes.acquire()
                 waited = True
                 latest = self.observed.jobs.get(key)
@@ -259,6 +260,21 @@ class Controller:
                 self.post_event(_ref(job), event_type, reason, message)
             return
         raise ApiException(status=409, reason=f"status of {key[0]}/{key[1]} kept changing under the operator")
+
+    def status_write_rate(self) -> float:
+        """Status writes a second for all jobs: the full rate, shared out while many Ray clusters start.
+
+        rate = status_writes_per_s * min(1, spin_up_jobs / starting), at least 1 a second, where
+        `starting` counts RayJobs still initializing. KubeRay creates their clusters one request after
+        another, and every status write is a whole RLTrainingJob for the API server to validate, store
+        and send to each watcher: while clusters start, statuses wait rather than slow them down.
+        """
+        starting = sum(1 for rayjob in self.observed.rayjobs.values()
+                       if ((rayjob.get("status") or {}).get("jobDeploymentStatus") or "") in INITIALIZING)
+        base = self.settings.status_writes_per_s
+        if starting <= self.settings.spin_up_jobs:
+            return base
+        return max(min(1.0, base), base * self.settings.spin_up_jobs / starting)
 
     def _status_of(self, key: Key, job: Mapping[str, Any], problem: RenderError | None) -> dict:
         """The status patch from what the watches saw of the job's RayJob and pods."""

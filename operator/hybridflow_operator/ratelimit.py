@@ -23,6 +23,13 @@ class TokenBucket:
         self._updated = time.monotonic()
         self._lock = asyncio.Lock()
 
+    def set_rate(self, rate: float) -> None:
+        """Change the rate from now on (tokens earned so far stay)."""
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0, got {rate}")
+        self._refill()
+        self.rate = rate
+
     def _refill(self) -> None:
         now = time.monotonic()
         self._tokens = min(self.burst, self._tokens + (now - self._updated) * self.rate)

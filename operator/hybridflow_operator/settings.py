@@ -55,6 +55,8 @@ class OperatorSettings:
     status_writes_per_s: float = 10.0
     """Status writes of all jobs together, per second: at scale they wait, and merge, rather than crowd
     the API server KubeRay and the scheduler need."""
+    spin_up_jobs: int = 10
+    """Ray clusters starting at once beyond which status writes slow down (see Controller.status_write_rate)."""
     max_requests: int = 32
     """API requests in flight at once; more wait for a connection instead of crowding the API server."""
 
@@ -139,6 +141,8 @@ def from_env(environ: Mapping[str, str], **overrides: object) -> OperatorSetting
     if env.get("STATUS_WRITES_PER_S"):
         values["status_writes_per_s"] = _positive_float(f"{ENV_PREFIX}STATUS_WRITES_PER_S",
                                                         env["STATUS_WRITES_PER_S"])
+    if env.get("SPIN_UP_JOBS"):
+        values["spin_up_jobs"] = max(1, int(_positive_float(f"{ENV_PREFIX}SPIN_UP_JOBS", env["SPIN_UP_JOBS"])))
     if env.get("MAX_REQUESTS"):
         values["max_requests"] = max(1, int(_positive_float(f"{ENV_PREFIX}MAX_REQUESTS", env["MAX_REQUESTS"])))
     values.update({k: v for k, v in overrides.items() if v is not None})
