@@ -56,6 +56,12 @@ def key_of(body: Mapping[str, Any]) -> Key:
     return meta["namespace"], meta["name"]
 
 
+def owner_key(child: Mapping[str, Any]) -> Key | None:
+    """The key of the job a RayJob or Ray pod belongs to; None for someone else's."""
+    owner = job_name_of(child)
+    return (child["metadata"]["namespace"], owner) if owner else None
+
+
 def newer(candidate: Mapping[str, Any], current: Mapping[str, Any] | None) -> bool:
     """Whether `candidate` is a later version of the object than `current` (etcd revisions are ordered)."""
     if current is None:
@@ -98,10 +104,9 @@ class Observed:
         return key
 
     def rayjob(self, body: Mapping[str, Any], deleted: bool = False) -> Key | None:
-        owner = job_name_of(body)
-        if not owner:
+        key = owner_key(body)
+        if key is None:
             return None
-        key = (body["metadata"]["namespace"], owner)
         current = self.rayjobs.get(key)
         if deleted:
             if current is not None and current["metadata"].get("uid") == body["metadata"].get("uid"):
@@ -111,10 +116,9 @@ class Observed:
         return key
 
     def pod(self, body: Mapping[str, Any], deleted: bool = False) -> Key | None:
-        owner = job_name_of(body)
-        if not owner:
+        key = owner_key(body)
+        if key is None:
             return None
-        key = (body["metadata"]["namespace"], owner)
         pods = self.pods.setdefault(key, {})
         if deleted:
             pods.pop(body["metadata"]["name"], None)
