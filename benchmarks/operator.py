@@ -1342,12 +1342,13 @@ def what_changed(doc: Mapping[str, Any]) -> str:
   per child. Pods are watched only while Pending (a field selector): only a Pending pod can explain a wait.
 - **Status writes are paced.** All jobs together write at most `status_writes_per_s`
   ({operator_setting(doc, 'status_writes_per_s')}) statuses a second (a token bucket, `ratelimit.py`), and
-  while more than `spin_up_jobs` ({operator_setting(doc, 'spin_up_jobs')}) RayJobs are initializing that rate
-  is shared out among them (rate * spin_up_jobs / initializing, at least 1 a second). A job waiting for its
+  while more than `spin_up_jobs` ({operator_setting(doc, 'spin_up_jobs')}) RayJobs are initializing the rate of
+  status updates is shared out among them (rate * spin_up_jobs / initializing, at least 1 a second); a job's
+  first status has a bucket of its own at the full rate. A job waiting for its
   turn writes the status as it is by then, so the wait merges changes. Each status write makes the API server
   decode, validate and store the whole RLTrainingJob and send it to every watcher: during a burst those writes
   compete with the requests of KubeRay, whose single worker creates the Ray clusters one after another.
-  Creates are never held back; during a burst of N jobs statuses lag instead, until the clusters have
+  Creates are never held back; during a burst of N jobs status updates lag instead, until the clusters have
   started.
 - **An asynchronous client with a cap.** aiohttp on kopf's event loop, at most `max_requests`
   ({operator_setting(doc, 'max_requests')}) requests in flight; the others wait for a connection.

@@ -306,7 +306,25 @@ def test_status_writes_slow_down_while_many_ray_clusters_start(starting: int, ru
                          "labels": {names.JOB_LABEL: f"job-{i}"}},
             "status": {"jobDeploymentStatus": deployment} if i % 2 or deployment == "Running" else {},
         })
-    assert loop.controller.status_write_rate() == pytest.approx(rate)
+    assert loop.controller.status_update_rate() == pytest.approx(rate)
+
+
+def test_a_first_status_is_not_held_back_while_clusters_start() -> None:
+    async def scenario() -> tuple[Loop, float]:
+        loop = Loop(MemoryKube(), status_writes_per_s=10.0, spin_up_jobs=1)
+        for i in range(30):  # thirty clusters starting: updates would go at 1 a second
+            loop.controller.observed.rayjob({"metadata": {"name": f"other-{i}", "namespace": NS, "uid": f"o{i}",
+                                                          "resourceVersion": "1",
+                                                          "labels": {names.JOB_LABEL: f"other-{i}"}}})
+        t0 = asyncio.get_running_loop().time()
+        for i in range(10):
+            loop.controller.job_event(new_job(loop.kube, f"job-{i}"), "ADDED")
+        await loop.settle()
+        return loop, asyncio.get_running_loop().time() - t0
+
+    loop, elapsed = run(scenario())
+    assert loop.kube.verbs().count(("patch-status", "RLTrainingJob")) == 10
+    assert elapsed < 2.5  # ten first statuses within the burst of ten, not one a second
 
 
 def test_a_burst_of_pod_events_costs_at_most_a_write_per_interval() -> None:

@@ -136,7 +136,10 @@ class Controller:
         self.kube = kube
         self.settings = settings
         self.post_event = post_event
-        self.status_writes = TokenBucket(settings.status_writes_per_s, burst=max(1.0, settings.status_writes_per_s))
+        burst = max(1.0, settings.status_writes_per_s)
+        # A job's first status (it has none yet) is never shared out: users look for it right after applying.
+        self.first_status_writes = TokenBucket(settings.status_writes_per_s, burst=burst)
+        self.status_updates = TokenBucket(settings.status_writes_per_s, burst=burst)
         self.observed = Observed()
         self.queue: WorkQueue[Key] = WorkQueue(self.process, min_interval=settings.status_min_interval,
                                                error_delay=RETRY_DELAY_S)
@@ -237,8 +240,11 @@ class Controller:
             if not status_changed(before, patch):
                 return
             if not waited:  # wait for a write slot once, then write what is true by then
-                self.status_writes.set_rate(self.status_write_rate())
-                await self.status_writes.acquire()
+                if before:
+                    self.status_updates.set_rate(self.status_update_rate())
+                    await self.status_updates.acquire()
+                else:
+                    await self.first_status_writes.acquire()
                 waited = True
                 latest = self.observed.jobs.get(key)
                 if latest is None or latest["metadata"].get("deletionTimestamp"):
@@ -265,8 +271,8 @@ class Controller:
             return
         raise ApiException(status=409, reason=f"status of {key[0]}/{key[1]} kept changing under the operator")
 
-    def status_write_rate(self) -> float:
-        """Status writes a second for all jobs: the full rate, shared out while many Ray clusters start.
+    def status_update_rate(self) -> float:
+        """Status updates a second for all jobs: the full rate, shared out while many Ray clusters start.
 
         rate = status_writes_per_s * min(1, spin_up_jobs / starting), at least 1 a second, where
         `starting` counts RayJobs still initializing. KubeRay creates their clusters one request after
