@@ -5,7 +5,8 @@ pods in memory and queues the job. A run applies the spec when this process has 
 job's current generation, then computes the status from memory and writes it only when it changed
 (right after creating children it waits one interval, so the RayJob's first status comes along).
 A status sync therefore costs no reads, and a burst of pod events costs one write at most a second;
-status writes of all jobs together are rate-limited (their creates are not).
+status writes of all jobs together are rate-limited (their creates are not), and while many Ray clusters
+start, updates (not a job's first status) are shared out among them.
 """
 
 from __future__ import annotations
