@@ -37,10 +37,10 @@ import yaml
 from e2e.harness import binaries
 from e2e.harness.controlplane import (
     ControlPlane,
+    KubectlClient,
     KubectlError,
     eventually,
     free_port,
-    run_kubectl,
     tail,
 )
 from hybridflow.api import API_GROUP
@@ -77,31 +77,11 @@ def in_ci() -> bool:
 # -- the cluster ------------------------------------------------------------------------------------------
 
 
-class Kube(Protocol):
-    """What the tests need of a cluster: ControlPlane has it, and so does ExistingCluster."""
-
-    kubeconfig: Path
-
-    def kubectl(
-        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0
-    ) -> subprocess.CompletedProcess[str]: ...
-
-    def get_json(self, *args: str) -> Any: ...
-
-
 @dataclass
-class ExistingCluster:
+class ExistingCluster(KubectlClient):
     """A cluster someone else made (kind), reached through its kubeconfig."""
 
     kubeconfig: Path
-
-    def kubectl(
-        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0
-    ) -> subprocess.CompletedProcess[str]:
-        return run_kubectl(self.kubeconfig, *args, input=input, check=check, timeout=timeout)
-
-    def get_json(self, *args: str) -> Any:
-        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
     def create_namespace(self, name: str) -> None:
         """Create a namespace and wait until Pods may be created in it (its default ServiceAccount)."""
@@ -141,7 +121,7 @@ class Fleet:
     allocatable: dict[str, dict[str, str]]
 
     @classmethod
-    def discover(cls, kube: Kube) -> Fleet:
+    def discover(cls, kube: KubectlClient) -> Fleet:
         labels: dict[str, dict[str, str]] = {}
         by_product: dict[str, list[str]] = {}
         cpu_nodes: list[str] = []
@@ -186,7 +166,7 @@ class Fleet:
 # -- the operator -----------------------------------------------------------------------------------------
 
 
-def release_deployment(kube: Kube) -> dict[str, Any]:
+def release_deployment(kube: KubectlClient) -> dict[str, Any]:
     """The operator Deployment our chart installed for RELEASE (found by the chart's labels)."""
     selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/name=hybridflow"
     found = kube.get_json("deployments", "-n", RELEASE_NAMESPACE, "-l", selector)["items"]
@@ -331,7 +311,7 @@ class LocalOperator:
 class InClusterOperator:
     """The chart's Deployment running the operator image (kind)."""
 
-    def __init__(self, kube: Kube, deployment: dict[str, Any]) -> None:
+    def __init__(self, kube: KubectlClient, deployment: dict[str, Any]) -> None:
         self.kube = kube
         self.name = deployment["metadata"]["name"]
         pod = deployment["spec"]["template"]["spec"]
@@ -368,7 +348,7 @@ class InClusterOperator:
 class E2E:
     """The cluster, the operator and what the tests need to know about both."""
 
-    kube: Kube
+    kube: KubectlClient
     operator: Operator
     fleet: Fleet
     pods_run: bool
@@ -401,7 +381,7 @@ def helm_binary() -> str:
     pytest.skip(why)
 
 
-def helm(kube: Kube, *args: str, timeout: float = 180.0) -> str:
+def helm(kube: KubectlClient, *args: str, timeout: float = 180.0) -> str:
     cmd = [helm_binary(), f"--kubeconfig={kube.kubeconfig}", *args]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if result.returncode != 0:

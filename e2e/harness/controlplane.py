@@ -354,7 +354,23 @@ class Ports:
     kuberay_probe: int = field(default_factory=free_port)
 
 
-class ControlPlane:
+class KubectlClient:
+    """kubectl against `self.kubeconfig`: a control plane of ours, or any cluster someone else made."""
+
+    kubeconfig: Path
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl against this cluster; raises with stderr when check fails."""
+        return run_kubectl(self.kubeconfig, *args, input=input, check=check, timeout=timeout)
+
+    def get_json(self, *args: str) -> Any:
+        """`kubectl get ... -o json` parsed."""
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+
+class ControlPlane(KubectlClient):
     """etcd + kube-apiserver (+ controllers, scheduler, kwok, KubeRay with full=True) on loopback.
 
     Use as a context manager, or call start()/stop(). `kubeconfig` is an admin (system:masters)
@@ -616,16 +632,6 @@ class ControlPlane:
     def env(self) -> dict[str, str]:
         """Environment for subprocesses that should talk to this control plane."""
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
-
-    def kubectl(
-        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0
-    ) -> subprocess.CompletedProcess[str]:
-        """Run kubectl against this control plane; raises with stderr when check fails."""
-        return run_kubectl(self.kubeconfig, *args, input=input, check=check, timeout=timeout)
-
-    def get_json(self, *args: str) -> Any:
-        """`kubectl get ... -o json` parsed."""
-        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
     def apply_objects(self, objects: Sequence[Mapping[str, Any]]) -> None:
         """Server-side apply of in-memory manifests (as one List)."""
