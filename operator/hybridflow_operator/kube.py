@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
+import orjson
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -34,6 +35,7 @@ MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 FIELD_MANAGER = "hybridflow-operator"
 TIMEOUT_S = 30
+WATCH_SILENCE_S = 120  # a watch asks for bookmarks, which the API server sends about once a minute
 
 __all__ = ["JOB_API_VERSION", "ApiException", "Kube", "load_configuration", "namespace_terminating"]
 
@@ -76,6 +78,24 @@ def _path(api_version: str, kind: str, namespace: str, name: str | None = None, 
     return path
 
 
+class JsonLines:
+    """A watch stream cut into its events: one JSON document per line, lines of any length across chunks."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> list[dict]:
+        """The documents `chunk` completes; a partial last line waits for the next chunk."""
+        self._buffer += chunk
+        docs, start = [], 0
+        while (end := self._buffer.find(b"\n", start)) >= 0:
+            if self._buffer[start:end].strip():
+                docs.append(orjson.loads(self._buffer[start:end]))
+            start = end + 1
+        del self._buffer[:start]
+        return docs
+
+
 def _ssl_context(configuration: client.Configuration) -> ssl.SSLContext | bool:
     if not configuration.verify_ssl:
         return False
@@ -90,27 +110,38 @@ class Kube:
 
     At most `max_connections` requests are in flight; the rest wait for a connection, so a burst of
     jobs queues in the client instead of opening hundreds of TLS connections to the API server.
+    Watch streams have connections of their own, outside that limit.
     """
 
     def __init__(self, configuration: client.Configuration, max_connections: int = 32) -> None:
         self.configuration = configuration
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._watch_session: aiohttp.ClientSession | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:  # created lazily: it binds to the running event loop
-            connector = aiohttp.TCPConnector(limit=self.max_connections, ssl=_ssl_context(self.configuration))
-            self._session = aiohttp.ClientSession(
-                base_url=self.configuration.host.rstrip("/") + "/", connector=connector,
-                timeout=aiohttp.ClientTimeout(total=TIMEOUT_S), json_serialize=json.dumps,
-            )
+            self._session = self._new_session(self.max_connections, aiohttp.ClientTimeout(total=TIMEOUT_S))
         return self._session
 
+    @property
+    def watch_session(self) -> aiohttp.ClientSession:
+        if self._watch_session is None:  # a stream lasts minutes; only a silent connection times out
+            self._watch_session = self._new_session(0, aiohttp.ClientTimeout(total=None, sock_connect=TIMEOUT_S,
+                                                                             sock_read=WATCH_SILENCE_S))
+        return self._watch_session
+
+    def _new_session(self, limit: int, timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=limit, ssl=_ssl_context(self.configuration))
+        return aiohttp.ClientSession(base_url=self.configuration.host.rstrip("/") + "/", connector=connector,
+                                     timeout=timeout)
+
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._watch_session):
+            if session is not None:
+                await session.close()
+        self._session = self._watch_session = None
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         try:
@@ -135,22 +166,42 @@ class Kube:
         found = await self._call("GET", _path(api_version, kind, namespace), params={"labelSelector": label_selector})
         return found.get("items") or []
 
+    async def list_page(self, path: str, params: Mapping[str, str]) -> dict:
+        """One page of a LIST by path (`/api/v1/pods`), as the API server sends it: items, metadata."""
+        return await self._call("GET", path, params=params)
+
+    async def watch(self, path: str, params: Mapping[str, str]) -> AsyncIterator[dict]:
+        """The events of a WATCH by path, decoded, until the server ends the stream; ApiException if refused."""
+        async with self.watch_session.get(path.lstrip("/"), params={**params, "watch": "true"},
+                                          headers=self._headers("application/json")) as response:
+            if response.status != 200:
+                error = ApiException(status=response.status, reason=response.reason)
+                error.body = await response.text()
+                raise error
+            lines = JsonLines()
+            async for chunk in response.content.iter_any():
+                for event in lines.feed(chunk):
+                    yield event
+
     async def version(self) -> dict:
         """The API server's version: a cheap request every authenticated client may make."""
         return await self._call("GET", "/version")
 
     async def _call(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
                     params: Mapping[str, str] | None = None) -> dict:
+        payload = None if body is None else orjson.dumps(body)
+        async with self.session.request(method, path.lstrip("/"), data=payload, headers=self._headers(content_type),
+                                        params=params) as response:
+            data = await response.read()
+            if not 200 <= response.status <= 299:
+                error = ApiException(status=response.status, reason=response.reason)
+                error.body = data.decode(errors="replace")
+                raise error
+        return orjson.loads(data) if data else {}
+
+    def _headers(self, content_type: str) -> dict[str, str]:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         token = self.configuration.get_api_key_with_prefix("BearerToken", alias="authorization")  # refresh hook runs
         if token:
             headers["Authorization"] = token
-        data = None if body is None else json.dumps(body)
-        async with self.session.request(method, path.lstrip("/"), data=data, headers=headers,
-                                        params=params) as response:
-            text = await response.text()
-            if not 200 <= response.status <= 299:
-                error = ApiException(status=response.status, reason=response.reason)
-                error.body = text
-                raise error
-        return json.loads(text) if text else {}
+        return headers
