@@ -518,6 +518,16 @@ def test_api_server_fills_in_every_default(apiserver: Any) -> None:
     assert _numbers_equal(stored, RLTrainingJobSpec().model_dump(by_alias=True, mode="json"))
 
 
+@controlplane
+def test_a_job_nobody_has_observed_reads_as_in_progress(apiserver: Any) -> None:
+    """Before any operator writes a status, the API server shows observedGeneration 0 (kstatus: InProgress)."""
+    obj = job()
+    assert create(apiserver, obj).returncode == 0
+    stored = get(apiserver, obj["metadata"]["name"])
+    assert stored["metadata"]["generation"] == 1
+    assert stored["status"] == {"observedGeneration": 0, "restarts": 0}
+
+
 REJECTED = [
     (
         "grpo-one-sample",

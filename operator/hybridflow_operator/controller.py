@@ -1,12 +1,14 @@
 """The operator's control loop: what the watches saw, and one queued worker per RLTrainingJob.
 
-kopf delivers watch events (handlers.py); the controller keeps the latest job, its RayJob and its Ray
-pods in memory and queues the job. A run applies the spec when this process has not yet applied the
-job's current generation, then computes the status from memory and writes it only when it changed
-(right after creating children it waits one interval, so the RayJob's first status comes along).
-A status sync therefore costs no reads, and a burst of pod events costs one write at most a second;
-status writes of all jobs together are rate-limited (their creates are not), and while many Ray clusters
-start, updates (not a job's first status) are shared out among them.
+kopf and the informers deliver watch events (handlers.py); the controller keeps the latest job, its
+RayJob and its unbound Ray pods in memory and queues the job. A run applies the spec when this process
+has not yet applied the job's current generation, then computes the status from memory and writes it
+only when it changed (right after creating children it waits one interval, so the RayJob's first
+status comes along). A status sync therefore costs no reads, and a burst of pod events costs one write
+at most a second. Creates are never held back; reports are: a status write and the Events that go
+with it take one slot of a rate limit for all jobs together, shared out while many Ray clusters start.
+A job waiting for its first status is not invisible meanwhile: the API server shows it with
+status.observedGeneration 0, not yet observed.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from hybridflow_operator.reconcile import (
     write_status,
 )
 from hybridflow_operator.settings import OperatorSettings
-from hybridflow_operator.status import INITIALIZING, TERMINAL, status_changed, transitions
+from hybridflow_operator.status import INITIALIZING, TERMINAL, reported, status_changed, transitions
 from hybridflow_operator.workqueue import WorkQueue
 
 Key = tuple[str, str]  # (namespace, job name)
 PostEvent = Callable[[Mapping[str, Any], str, str, str], None]  # (job reference, Normal|Warning, reason, message)
+Report = tuple[str, str, str]  # an Event to post: (Normal|Warning, reason, message)
 
 RETRY_DELAY_S = 10.0
 STALE_CHILD_DELAY_S = 30.0
@@ -137,16 +140,14 @@ class Controller:
         self.kube = kube
         self.settings = settings
         self.post_event = post_event
-        burst = max(1.0, settings.status_writes_per_s)
-        # A job's first status (it has none yet) is never shared out: users look for it right after applying.
-        self.first_status_writes = TokenBucket(settings.status_writes_per_s, burst=burst)
-        self.status_updates = TokenBucket(settings.status_writes_per_s, burst=burst)
+        self.status_writes = TokenBucket(settings.status_writes_per_s, burst=max(1.0, settings.status_writes_per_s))
         self.observed = Observed()
         self.queue: WorkQueue[Key] = WorkQueue(self.process, min_interval=settings.status_min_interval,
                                                error_delay=RETRY_DELAY_S)
         self._applied: dict[Key, tuple[str, int]] = {}  # (uid, generation) this process has applied
         self._stalled: dict[Key, Stalled] = {}
         self._recheck: set[Key] = set()  # read the job again before acting: its RayJob vanished
+        self._reports: dict[Key, list[Report]] = {}  # Events waiting for the job's next status write
 
     # -- watch events ------------------------------------------------------------------------------
 
@@ -198,7 +199,7 @@ class Controller:
             problem = stalled.problem
         elif self._applied.get(key) != revision:
             try:
-                applied = await ensure_children(self.kube, job, self.settings, fresh=not job.get("status"))
+                applied = await ensure_children(self.kube, job, self.settings, fresh=not reported(job))
             except ChildConflict as e:
                 problem, retry = e, STALE_CHILD_DELAY_S if e.temporary else None
                 if not e.temporary:
@@ -219,7 +220,7 @@ class Controller:
             else:
                 self._applied[key] = revision
                 self._stalled.pop(key, None)
-                self._announce(job, applied)
+                self._announce(key, job, applied)
                 if applied.rayjob is not None:
                     self.observed.rayjob(applied.rayjob)
                 if applied.created:
@@ -234,18 +235,17 @@ class Controller:
         return retry
 
     async def _sync_status(self, key: Key, job: dict, problem: RenderError | None) -> None:
+        """Write the status if it changed, and post the job's Events waiting for it, in one paced slot."""
         waited = False
         for _ in range(CONFLICT_RETRIES):
             before = job.get("status") or {}
             patch = self._status_of(key, job, problem)
-            if not status_changed(before, patch):
+            changed = status_changed(before, patch)
+            if not changed and not self._reports.get(key):
                 return
-            if not waited:  # wait for a write slot once, then write what is true by then
-                if before:
-                    self.status_updates.set_rate(self.status_update_rate())
-                    await self.status_updates.acquire()
-                else:
-                    await self.first_status_writes.acquire()
+            if not waited:  # wait for a slot once, then report what is true by then
+                self.status_writes.set_rate(self.status_write_rate())
+                await self.status_writes.acquire()
                 waited = True
                 latest = self.observed.jobs.get(key)
                 if latest is None or latest["metadata"].get("deletionTimestamp"):
@@ -253,6 +253,9 @@ class Controller:
                 if latest is not job:
                     job = latest
                     continue
+            if not changed:
+                self._post_reports(key, job)
+                return
             try:
                 updated = await write_status(self.kube, job, patch)
             except ApiException as e:
@@ -267,13 +270,18 @@ class Controller:
                 job = self.observed.jobs[key]
                 continue
             self.observed.job(updated)
+            self._post_reports(key, job)
             for event_type, reason, message in transitions(before, updated.get("status") or {}):
                 self.post_event(_ref(job), event_type, reason, message)
             return
         raise ApiException(status=409, reason=f"status of {key[0]}/{key[1]} kept changing under the operator")
 
-    def status_update_rate(self) -> float:
-        """Status updates a second for all jobs: the full rate, shared out while many Ray clusters start.
+    def _post_reports(self, key: Key, job: Mapping[str, Any]) -> None:
+        for event_type, reason, message in self._reports.pop(key, ()):
+            self.post_event(_ref(job), event_type, reason, message)
+
+    def status_write_rate(self) -> float:
+        """Status writes a second for all jobs: the full rate, shared out while many Ray clusters start.
 
         rate = status_writes_per_s * min(1, spin_up_jobs / starting), at least 1 a second, where
         `starting` counts RayJobs still initializing. KubeRay creates their clusters one request after
@@ -297,22 +305,21 @@ class Controller:
         pods = list(self.observed.pods.get(key, {}).values()) if rayjob and deployment not in TERMINAL else []
         return status_patch(job, rayjob, pods, problem)
 
-    def _announce(self, job: Mapping[str, Any], applied: Applied) -> None:
-        """One Event per kind of change, not one per child."""
+    def _announce(self, key: Key, job: Mapping[str, Any], applied: Applied) -> None:
+        """One Event per kind of change, not one per child, posted with the job's next status write."""
+        reports = self._reports.setdefault(key, [])
         for verb, refs in (("created", applied.created), ("updated", applied.patched)):
             if refs:
-                log.info("%s/%s: %s %s", job["metadata"]["namespace"], job["metadata"]["name"], verb, ", ".join(refs))
-        if applied.created:
-            self.post_event(_ref(job), "Normal", "Created", "created " + ", ".join(applied.created))
-        if applied.patched:
-            self.post_event(_ref(job), "Normal", "Updated", "updated " + ", ".join(applied.patched))
+                log.info("%s/%s: %s %s", *key, verb, ", ".join(refs))
+                reports.append(("Normal", verb.capitalize(), f"{verb} {', '.join(refs)}"))
         if applied.layout_ignored:
-            self.post_event(_ref(job), "Warning", "LayoutChangeIgnored",
+            reports.append(("Warning", "LayoutChangeIgnored",
                             "the Ray cluster layout changed but a RayJob keeps the layout it was created with; "
-                            "only suspend, TTL, deadline and the rollout group's replicas apply to a running job")
+                            "only suspend, TTL, deadline and the rollout group's replicas apply to a running job"))
 
     def _forget(self, key: Key) -> None:
         self._applied.pop(key, None)
+        self._reports.pop(key, None)
         self._stalled.pop(key, None)
         self._recheck.discard(key)
 

@@ -82,6 +82,14 @@ def compute_status(
     }
 
 
+def reported(job: Mapping[str, Any]) -> bool:
+    """Whether the operator has written the job's status yet: the conditions are its own.
+
+    Before that the API server shows its default, observedGeneration 0 (not yet observed).
+    """
+    return bool((job.get("status") or {}).get("conditions"))
+
+
 def status_changed(current: Mapping[str, Any] | None, patch: Mapping[str, Any]) -> bool:
     """Whether writing `patch` would change anything (None keys count as absent)."""
     current = current or {}

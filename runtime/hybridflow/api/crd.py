@@ -228,6 +228,7 @@ def openapi_schema() -> dict[str, Any]:
     spec["default"] = {}
     spec.setdefault("description", "Desired state: what to train, on which data, with which resources.")
     status = _status_schema()
+    status["default"] = {}  # a job nobody has observed yet reads observedGeneration 0
     status.setdefault("description", "Observed state, written by the operator and the runtime.")
     return {
         "description": DESCRIPTION,

@@ -34,7 +34,9 @@ class Progress(ApiModel):
 
 
 class RLTrainingJobStatus(ApiModel):
-    observed_generation: int | None = None
+    observed_generation: int = Field(0, ge=0)
+    """The generation the operator last applied. The API server shows a job nobody has observed yet with
+    0, so kstatus and Argo CD read it as in progress from the moment it is created."""
     conditions: list[Condition] = Field(default_factory=list)
     phase: str | None = None
     """Short summary for `kubectl get`: Pending, Running, Suspended, Succeeded, Failed, Stalled."""
