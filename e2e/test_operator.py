@@ -540,7 +540,7 @@ def test_rollout_replicas_and_ttl_updates_reach_the_rayjob(
     # the runtime config follows too: 3 pods x 8 GPUs -> 24 actor instances
     cm = get(cp, "configmap", namespace, names.config_map_name("elastic"))
     assert cm is not None
-    nodes = {n["name"]: n for n in yaml.safe_load(cm["data"]["job.yaml"])["spec"]["graph"]["nodes"]}
+    nodes = {n["name"]: n for n in json.loads(cm["data"]["job.json"])["spec"]["graph"]["nodes"]}
     assert nodes["actor_rollout"]["parallelism"] == 24
 
 

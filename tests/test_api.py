@@ -75,6 +75,13 @@ def test_malformed_yaml_and_wrong_documents(tmp_path) -> None:
         load_job(bad)
     with pytest.raises(SpecError, match="file not found"):
         load_job(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"spec": [1,\n')
+    with pytest.raises(SpecError, match="malformed JSON: line 2"):
+        load_job(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(SpecError, match="expected a mapping"):
+        load_job(bad)
 
 
 def test_api_imports_neither_torch_nor_ray() -> None:

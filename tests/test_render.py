@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow.api import parse_job
+from hybridflow.api import load_job, parse_job
 from hybridflow_operator import names
 from hybridflow_operator.errors import RenderError
 from hybridflow_operator.patches import layout_changed, merge_patch, ownership_problem, rayjob_patch, stale_owner
@@ -128,7 +128,7 @@ def test_role_lets_the_runtime_read_its_job_and_patch_only_its_status() -> None:
 
 def test_config_map_holds_the_job_with_the_resolved_graph() -> None:
     cm = by_kind(render_children(example(), SETTINGS))["ConfigMap"]
-    doc = yaml.safe_load(cm["data"]["job.yaml"])
+    doc = json.loads(cm["data"]["job.json"])
     assert doc["metadata"] == {"name": "qwen-gsm8k-ppo", "namespace": "default"}
     nodes = {n["name"]: n for n in doc["spec"]["graph"]["nodes"]}
     # 2 actor pods x 8 GPUs -> 16 actor instances; 1 critic pod x 8 GPUs -> 8 critic instances
@@ -139,11 +139,15 @@ def test_config_map_holds_the_job_with_the_resolved_graph() -> None:
     assert doc["spec"]["trainer"]["totalSteps"] == 500
 
 
-def test_config_map_job_loads_with_the_api_models() -> None:
-    """The runtime reads it with the same models: the resolved graph must pass their validation."""
+def test_config_map_job_loads_with_the_api_models(tmp_path: Path) -> None:
+    """The runtime reads the mounted file with the same models: the resolved graph must pass their
+    validation, and a small float must come back a float (YAML 1.1 would read 1e-06 as a string)."""
     cm = by_kind(render_children(example(), SETTINGS))["ConfigMap"]
-    loaded = parse_job(yaml.safe_load(cm["data"]["job.yaml"]))
+    mounted = tmp_path / "job.json"
+    mounted.write_text(cm["data"]["job.json"])
+    loaded = load_job(mounted)
     assert loaded.spec.graph is not None and len(loaded.spec.graph.nodes) == 4
+    assert loaded.spec.trainer.actor_lr == 1e-06  # actorLr: 1.0e-6 in the example
 
 
 def test_pods_mount_the_config_and_run_as_the_runtime_service_account() -> None:
@@ -194,7 +198,7 @@ def test_long_job_name_renders_a_short_rayjob() -> None:
 
 def test_rayjob_spec_runs_the_trainer_and_shuts_down() -> None:
     spec = rayjob_of(example())["spec"]
-    assert spec["entrypoint"] == ENTRYPOINT == "python -m hybridflow train --config /etc/hybridflow/job.yaml"
+    assert spec["entrypoint"] == ENTRYPOINT == "python -m hybridflow train --config /etc/hybridflow/job.json"
     assert spec["shutdownAfterJobFinishes"] is True
     assert spec["ttlSecondsAfterFinished"] == 3600
     assert spec["backoffLimit"] == 1
@@ -371,7 +375,7 @@ def test_a_separate_reward_pool_runs_on_the_actor_nodes() -> None:
 
 def test_custom_graph_keeps_its_parallelism() -> None:
     rendered = render(with_reward_pool(example()), SETTINGS)
-    doc = yaml.safe_load(by_kind(rendered.children)["ConfigMap"]["data"]["job.yaml"])
+    doc = json.loads(by_kind(rendered.children)["ConfigMap"]["data"]["job.json"])
     assert {n["name"]: n["parallelism"] for n in doc["spec"]["graph"]["nodes"]} \
         == {"actor": 16, "ref": 16, "score": 4, "critic": 8}
 

@@ -17,7 +17,7 @@ from hybridflow_operator.layout import GroupPlan
 from hybridflow_operator.names import JOB_LABEL, POOL_LABEL, RAY_GROUP_LABEL
 
 CONFIG_DIR = "/etc/hybridflow"
-CONFIG_FILE = "job.yaml"
+CONFIG_FILE = "job.json"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"

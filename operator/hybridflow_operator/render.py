@@ -20,8 +20,6 @@ from hybridflow_operator.pods import CONFIG_FILE, CONFIG_PATH, PodContext, head_
 from hybridflow_operator.settings import OperatorSettings
 
 ENTRYPOINT = f"python -m hybridflow train --config {CONFIG_PATH}"
-# libyaml's emitter when PyYAML has it: the pure-Python one is nine tenths of a render
-_FAST_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 __all__ = ["ENTRYPOINT", "RenderError", "Rendered", "as_job", "render", "render_children", "render_manifests"]
 
@@ -101,13 +99,16 @@ def _object(api_version: str, kind: str, name: str, namespace: str) -> dict:
 
 
 def _config_map(job: RLTrainingJob, layout: Layout, namespace: str) -> dict:
-    """The job as the runtime reads it: the spec with the resolved graph (parallelism filled in)."""
+    """The job as the runtime reads it: the spec with the resolved graph (parallelism filled in).
+
+    JSON, not YAML: emitting YAML took most of a render, and a burst of new jobs waits on renders.
+    """
     spec = job.spec.to_yaml_dict()
     spec["graph"] = layout.graph.to_spec().to_yaml_dict()
     doc = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
            "metadata": {"name": job.metadata.name, "namespace": namespace}, "spec": spec}
     cm = _object("v1", "ConfigMap", names.config_map_name(job.metadata.name), namespace)
-    cm["data"] = {CONFIG_FILE: yaml.dump(doc, Dumper=_FAST_DUMPER, sort_keys=False)}
+    cm["data"] = {CONFIG_FILE: json.dumps(doc, indent=2)}
     return cm
 
 
@@ -172,7 +173,7 @@ def _rayjob(job: RLTrainingJob, layout: Layout, settings: OperatorSettings, name
 
 
 class _BlockDumper(yaml.SafeDumper):
-    """Multi-line strings (the embedded job.yaml) as literal blocks, so the output reads like YAML."""
+    """Multi-line strings (the embedded job.json) as literal blocks, so the output reads like YAML."""
 
 
 def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
