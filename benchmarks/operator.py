@@ -78,7 +78,7 @@ QUICK_OUT = ROOT / "runs" / "bench-operator"
 BEGIN, END = "<!-- operator-bench:start -->", "<!-- operator-bench:end -->"
 SIZES = (100, 500)
 QUICK_SIZES = (10, 20)
-REPEATS = 5  # interleaved pairs of phases per N up to REPEAT_UP_TO; the median pair is reported
+REPEATS = 9  # interleaved pairs of phases per N up to REPEAT_UP_TO; the median pair is reported
 REPEAT_UP_TO = 100
 WARMUP_JOBS = 10
 APPLY_THREADS = 16
@@ -1095,8 +1095,8 @@ Apply→RayJob per job, split on the API server's clock (audit log), p50 / p99:
 {chr(10).join(stage_rows)}
 
 {largest}`react` is the job's ADDED event reaching kopf, the `job_changed` handler queueing the job, and the
-job's first run starting and rendering the spec; all of it on kopf's one event loop, which also receives every
-event of every Ray pod and RayJob. `apply` runs from the first of the five POSTs to the RayJob's being done; a
+job's first run starting and rendering the spec; all of it on the operator's one event loop (uvloop), which
+also receives every event of the informers on RayJobs and unbound Ray pods. `apply` runs from the first of the five POSTs to the RayJob's being done; a
 job without a status is not read first. The operator's client keeps at most `max_requests` ({max_requests})
 requests in flight, so under a burst a job's requests can also wait there for a connection: for its first
 request that wait is part of `react`, for the others part of `apply`. The last RayJob exists
@@ -1111,8 +1111,8 @@ until quiet: {_and(groups)} per job (by kind, the largest: {kinds}). A new job n
 its five creates and one `Created` Event; after that a status PATCH only when the status changed, at most one
 per job every {min_interval} (`status_min_interval`) and {operator_setting(doc, "status_writes_per_s")} a second
 for all jobs together (`status_writes_per_s`, shared out while many clusters start), with an Event per
-transition it shows. The first status write
-of a new job waits one interval, so that it carries the RayJob's first status too. Nothing is read
+transition it shows, posted with the status write it goes with. The first status write of a new job waits
+one interval, so that it carries the RayJob's first status too, and takes its turn like any other. Nothing is read
 to compute a status: the RayJob and the pods come from the watches. Reads are GETs of the children of a job
 that already has a status (a spec change, the resync, a restart), of a child whose create answered 409, and
 of a job whose status write met a conflict or whose RayJob vanished.
@@ -1167,7 +1167,7 @@ def memory(doc: Mapping[str, Any]) -> str:
 
 The operator's RSS was {_and(parts)} (right panel of the plot). The controller keeps, per job, the latest job
 and RayJob without their managedFields and, of each Ray pod, only its name, phase and conditions
-(`controller.Observed`); kopf decodes every watch event it receives before it calls a handler.{after}
+(`controller.Observed`); kopf and the informers decode every watch event they receive.{after}
 """
 
 
@@ -1327,9 +1327,9 @@ def what_changed(doc: Mapping[str, Any]) -> str:
     return f"""
 ### What changed in the operator
 
-- **Handlers only take note.** Every kopf handler (`handlers.py`) is `async def`; a watch-event handler
-  records the object of the event in memory (`controller.Observed`) and queues the job in a per-job work queue
-  (`workqueue.py`). No handler waits for a thread or an API call; none runs in kopf's thread pool.
+- **Handlers only take note.** kopf's event handler (`handlers.py`, `async def`) and the informers' callbacks
+  record the object of the event in memory (`controller.Observed`) and queue the job in a per-job work queue
+  (`workqueue.py`). None waits for a thread or an API call; nothing runs in kopf's thread pool.
 - **One run at a time per job.** Events that arrive while a job is being reconciled cost one more run, not
   one each; runs of one job start at least `status_min_interval`
   ({operator_setting(doc, 'status_min_interval', ' s')}) apart, so a burst of pod events becomes one status write.
@@ -1339,21 +1339,28 @@ def what_changed(doc: Mapping[str, Any]) -> str:
   otherwise each is read first.
 - **Status from memory.** The status is computed from the RayJob and the pods the watches delivered (no reads)
   and PATCHed only when it changed; one Event per kind of change ("created ConfigMap/…, RayJob/…"), not one
-  per child. Pods are watched only while Pending (a field selector): only a Pending pod can explain a wait.
+  per child. Pods are watched only while unbound (`spec.nodeName=`, a field selector): only an unbound pod can
+  explain a wait, and a bound pod's later updates never reach the operator.
 - **Status writes are paced.** All jobs together write at most `status_writes_per_s`
   ({operator_setting(doc, 'status_writes_per_s')}) statuses a second (a token bucket, `ratelimit.py`), and
   while more than `spin_up_jobs` ({operator_setting(doc, 'spin_up_jobs')}) RayJobs are initializing the rate of
-  status updates is shared out among them (rate * spin_up_jobs / initializing, at least 1 a second); a job's
-  first status has a bucket of its own at the full rate. A job waiting for its
+  status writes is shared out among them (rate * spin_up_jobs / initializing, at least 1 a second), first
+  statuses included; a job's Events wait with its status. A job waiting for its
   turn writes the status as it is by then, so the wait merges changes. Each status write makes the API server
   decode, validate and store the whole RLTrainingJob and send it to every watcher: during a burst those writes
   compete with the requests of KubeRay, whose single worker creates the Ray clusters one after another.
-  Creates are never held back; during a burst of N jobs status updates lag instead, until the clusters have
-  started.
-- **An asynchronous client with a cap.** aiohttp on kopf's event loop, at most `max_requests`
-  ({operator_setting(doc, 'max_requests')}) requests in flight; the others wait for a connection.
-- **Nothing per object for kopf.** No finalizer, no progress or diffbase annotations, so a new job costs no
-  PATCH before its children are created and none when it is deleted; one operator-wide resync loop every
+  Creates are never held back; during a burst of N jobs statuses lag instead, until the clusters have
+  started. Meanwhile a job without a status reads `observedGeneration: 0` (the CRD's default): in progress
+  for Argo CD and kstatus.
+- **An asynchronous client with a cap.** aiohttp on kopf's event loop (uvloop), at most `max_requests`
+  ({operator_setting(doc, 'max_requests')}) requests in flight, the others waiting for a connection; bodies
+  encoded and decoded with orjson. Watches have connections of their own, outside the cap.
+- **Lean informers for RayJobs and pods.** kopf watches only RLTrainingJobs; the RayJobs (by the
+  `hybridflow.io/job` label) and unbound Ray pods come from a list+watch of our own (`informer.py`): bookmarks,
+  a relist on 410 Gone that reports objects deleted meanwhile, and no per-event copies or handler bookkeeping.
+- **Nothing per object for kopf.** No finalizer, no progress or diffbase annotations (and storages that keep
+  none in memory either, `stateless.py`, so kopf copies no body per event), so a new job costs no PATCH before
+  its children are created and none when it is deleted; one operator-wide resync loop every
   `status_interval` ({operator_setting(doc, 'status_interval', ' s')}) replaces the per-object timer; kopf's log
   line per handled event is silenced below DEBUG.
 {before_after(doc)}"""
