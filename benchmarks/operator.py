@@ -1096,10 +1096,11 @@ Apply→RayJob per job, split on the API server's clock (audit log), p50 / p99:
 
 {largest}`react` is the job's ADDED event reaching kopf, the `job_changed` handler queueing the job, and the
 job's first run starting and rendering the spec; all of it on the operator's one event loop (uvloop), which
-also receives every event of the informers on RayJobs and unbound Ray pods. `apply` runs from the first of the five POSTs to the RayJob's being done; a
-job without a status is not read first. The operator's client keeps at most `max_requests` ({max_requests})
-requests in flight, so under a burst a job's requests can also wait there for a connection: for its first
-request that wait is part of `react`, for the others part of `apply`. The last RayJob exists
+also receives every event of the informers on RayJobs and unbound Ray pods. `apply` runs from the first of the
+five POSTs to the RayJob's being done; a job without a status is not read first. The operator's client keeps at
+most `max_requests` ({max_requests}) requests in flight, so under a burst a job's requests can also wait there
+for a connection: for its first request that wait is part of `react`, for the others part of `apply`. The last
+RayJob exists
 {_and([f"{exists(ours, n)} (N = {n})" for n in sizes])} after the first apply{baseline}.
 
 ### API requests and CPU

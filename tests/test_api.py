@@ -65,23 +65,22 @@ def test_cross_field_rules(example_doc) -> None:
         parse_job(doc)
 
 
-def test_malformed_yaml_and_wrong_documents(tmp_path) -> None:
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("spec: [a\n")
-    with pytest.raises(SpecError, match="malformed YAML: line 2"):
+@pytest.mark.parametrize(("name", "text", "problem"), [
+    ("bad.yaml", "spec: [a\n", "malformed YAML: line 2"),
+    ("bad.yaml", "- a\n- b\n", "expected a mapping"),
+    ("bad.json", '{"spec": [1,\n', "malformed JSON: line 2"),
+    ("bad.json", "[1, 2]", "expected a mapping"),
+])
+def test_malformed_files_and_wrong_documents(tmp_path, name: str, text: str, problem: str) -> None:
+    bad = tmp_path / name
+    bad.write_text(text)
+    with pytest.raises(SpecError, match=problem):
         load_job(bad)
-    bad.write_text("- a\n- b\n")
-    with pytest.raises(SpecError, match="expected a mapping"):
-        load_job(bad)
+
+
+def test_a_missing_file_is_named(tmp_path) -> None:
     with pytest.raises(SpecError, match="file not found"):
         load_job(tmp_path / "missing.yaml")
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"spec": [1,\n')
-    with pytest.raises(SpecError, match="malformed JSON: line 2"):
-        load_job(bad)
-    bad.write_text("[1, 2]")
-    with pytest.raises(SpecError, match="expected a mapping"):
-        load_job(bad)
 
 
 def test_api_imports_neither_torch_nor_ray() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridflow.api import load_job, parse_job
+from hybridflow.api import load_job
 from hybridflow_operator import names
 from hybridflow_operator.errors import RenderError
 from hybridflow_operator.patches import layout_changed, merge_patch, ownership_problem, rayjob_patch, stale_owner
