@@ -390,6 +390,30 @@ def test_a_burst_of_pod_events_costs_at_most_a_write_per_interval() -> None:
     assert reconciling["reason"] == "Unschedulable" and reconciling["message"].startswith("3 pod(s) unschedulable")
 
 
+def test_runs_wait_until_every_source_of_children_has_been_listed() -> None:
+    """After a restart, the first status already knows the unbound pods the informer lists."""
+    async def scenario() -> tuple[Loop, list[tuple[str, str]]]:
+        loop = Loop(MemoryKube())
+        listed = asyncio.Event()
+        loop.controller.follows(listed)
+        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        await asyncio.sleep(0.05)
+        before = loop.kube.verbs()
+        unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                         "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}
+        loop.controller.pod_event({"metadata": {"name": "ppo-worker-0", "namespace": NS,
+                                                "labels": {names.JOB_LABEL: "ppo"}},
+                                   "status": {"phase": "Pending", "conditions": [unschedulable]}}, "ADDED")
+        listed.set()
+        await loop.settle()
+        return loop, before
+
+    loop, before = run(scenario())
+    assert before == []  # nothing while the pods were not listed yet
+    assert loop.kube.verbs().count(("patch-status", "RLTrainingJob")) == 1
+    assert condition(loop.stored_job(), "Reconciling")["reason"] == "Unschedulable"
+
+
 def test_a_deleted_rayjob_is_recreated_after_reading_the_job_again() -> None:
     async def scenario() -> Loop:
         loop = Loop(MemoryKube())

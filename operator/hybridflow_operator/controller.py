@@ -148,6 +148,15 @@ class Controller:
         self._stalled: dict[Key, Stalled] = {}
         self._recheck: set[Key] = set()  # read the job again before acting: its RayJob vanished
         self._reports: dict[Key, list[Report]] = {}  # Events waiting for the job's next status write
+        self._sources: list[asyncio.Event] = []  # each set once an informer of children has listed
+
+    def follows(self, listed: asyncio.Event) -> None:
+        """Hold every run until this source of children has been listed once (`listed` is set).
+
+        A status computed before the unbound pods are known would drop an Unschedulable condition
+        after a restart, only to bring it back a moment later.
+        """
+        self._sources.append(listed)
 
     # -- watch events ------------------------------------------------------------------------------
 
@@ -175,6 +184,8 @@ class Controller:
 
     async def process(self, key: Key) -> float | None:
         """Apply the spec if needed, then sync the status; seconds until a retry, or None."""
+        for listed in self._sources:
+            await listed.wait()
         if key in self._recheck:
             try:
                 fresh = await self.kube.get(JOB_API_VERSION, KIND, *key)

@@ -53,6 +53,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         for source, on_event, what in ((rayjobs, ctl.rayjob_event, "RayJobs"),
                                        (pods, ctl.pod_event, "unbound Ray pods")):
             informer = Informer(ctl.kube, source, on_event, name=f"{what} in {where}")
+            ctl.follows(informer.synced)
             _tasks.append(loop.create_task(informer.run(), name=informer.name))
 
 
