@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import pydantic_core
 import yaml
 
 from hybridflow.api import API_GROUP, API_VERSION, KIND, PLURAL, RLTrainingJob, SpecError, parse_job
@@ -108,7 +109,7 @@ def _config_map(job: RLTrainingJob, layout: Layout, namespace: str) -> dict:
     doc = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
            "metadata": {"name": job.metadata.name, "namespace": namespace}, "spec": spec}
     cm = _object("v1", "ConfigMap", names.config_map_name(job.metadata.name), namespace)
-    cm["data"] = {CONFIG_FILE: json.dumps(doc, indent=2)}
+    cm["data"] = {CONFIG_FILE: pydantic_core.to_json(doc, indent=2).decode()}
     return cm
 
 
