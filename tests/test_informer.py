@@ -1,6 +1,6 @@
 """The informer's pure parts: where it lists, what it keeps of an object, what a new list says was deleted,
 and how a watch stream is cut into events. The list-and-watch itself runs against a real API server in
-e2e/test_informer.py."""
+e2e/test_list_watch.py."""
 
 from __future__ import annotations
 
