@@ -318,7 +318,7 @@ class Controller:
 
     def _announce(self, key: Key, job: Mapping[str, Any], applied: Applied) -> None:
         """One Event per kind of change, not one per child, posted with the job's next status write."""
-        reports = self._reports.setdefault(key, [])
+        reports: list[Report] = []
         for verb, refs in (("created", applied.created), ("updated", applied.patched)):
             if refs:
                 log.info("%s/%s: %s %s", *key, verb, ", ".join(refs))
@@ -327,6 +327,8 @@ class Controller:
             reports.append(("Warning", "LayoutChangeIgnored",
                             "the Ray cluster layout changed but a RayJob keeps the layout it was created with; "
                             "only suspend, TTL, deadline and the rollout group's replicas apply to a running job"))
+        if reports:
+            self._reports.setdefault(key, []).extend(reports)
 
     def _forget(self, key: Key) -> None:
         self._applied.pop(key, None)

@@ -105,14 +105,15 @@ class Informer:
 
     async def _list(self) -> str:
         """Deliver every object (and every known one now gone); returns the list's resourceVersion."""
+        first_page = {**self.source.params, "limit": str(PAGE_SIZE)}
         items: list[dict] = []
-        params = {**self.source.params, "limit": str(PAGE_SIZE)}
+        params = first_page
         while True:
             try:
                 page = await self.kube.list_page(self.source.path, params)
             except ApiException as e:
                 if e.status == 410 and "continue" in params:  # the continue token expired: list afresh
-                    items, params = [], {**self.source.params, "limit": str(PAGE_SIZE)}
+                    items, params = [], first_page
                     continue
                 raise
             items.extend(page.get("items") or [])

@@ -96,6 +96,13 @@ class JsonLines:
         return docs
 
 
+def _refusal(response: aiohttp.ClientResponse, body: bytes) -> ApiException:
+    """The API server's answer to a refused request, as the Kubernetes client raises it."""
+    error = ApiException(status=response.status, reason=response.reason)
+    error.body = body.decode(errors="replace")
+    return error
+
+
 def _ssl_context(configuration: client.Configuration) -> ssl.SSLContext | bool:
     if not configuration.verify_ssl:
         return False
@@ -175,9 +182,7 @@ class Kube:
         async with self.watch_session.get(path.lstrip("/"), params={**params, "watch": "true"},
                                           headers=self._headers("application/json")) as response:
             if response.status != 200:
-                error = ApiException(status=response.status, reason=response.reason)
-                error.body = await response.text()
-                raise error
+                raise _refusal(response, await response.read())
             lines = JsonLines()
             async for chunk in response.content.iter_any():
                 for event in lines.feed(chunk):
@@ -194,9 +199,7 @@ class Kube:
                                         params=params) as response:
             data = await response.read()
             if not 200 <= response.status <= 299:
-                error = ApiException(status=response.status, reason=response.reason)
-                error.body = data.decode(errors="replace")
-                raise error
+                raise _refusal(response, data)
         return orjson.loads(data) if data else {}
 
     def _headers(self, content_type: str) -> dict[str, str]:
