@@ -1097,10 +1097,10 @@ Apply→RayJob per job, split on the API server's clock (audit log), p50 / p99:
 {largest}`react` is the job's ADDED event reaching kopf, the `job_changed` handler queueing the job, and the
 job's first run starting and rendering the spec; all of it on the operator's one event loop (uvloop), which
 also receives every event of the informers on RayJobs and unbound Ray pods. `apply` runs from the first of the
-five POSTs to the RayJob's being done; a job without a status is not read first. The operator's client keeps at
-most `max_requests` ({max_requests}) requests in flight, so under a burst a job's requests can also wait there
-for a connection: for its first request that wait is part of `react`, for the others part of `apply`. The last
-RayJob exists
+five POSTs to the RayJob's being done; a job the operator has not written a status for is not read first. The
+operator's client keeps at most `max_requests` ({max_requests}) requests in flight, so under a burst a job's
+requests can also wait there for a connection: for its first request that wait is part of `react`, for the
+others part of `apply`. The last RayJob exists
 {_and([f"{exists(ours, n)} (N = {n})" for n in sizes])} after the first apply{baseline}.
 
 ### API requests and CPU
@@ -1115,8 +1115,8 @@ for all jobs together (`status_writes_per_s`, shared out while many clusters sta
 transition it shows, posted with the status write it goes with. The first status write of a new job waits
 one interval, so that it carries the RayJob's first status too, and takes its turn like any other. Nothing is read
 to compute a status: the RayJob and the pods come from the watches. Reads are GETs of the children of a job
-that already has a status (a spec change, the resync, a restart), of a child whose create answered 409, and
-of a job whose status write met a conflict or whose RayJob vanished.
+that already has a status of the operator's (a spec change, the resync, a restart), of a child whose create
+answered 409, and of a job whose status write met a conflict or whose RayJob vanished.
 
 {cpu_line}CPU seconds per phase (`other processes` is everything on the machine outside this benchmark, i.e.
 other people's jobs):
@@ -1335,7 +1335,7 @@ def what_changed(doc: Mapping[str, Any]) -> str:
   one each; runs of one job start at least `status_min_interval`
   ({operator_setting(doc, 'status_min_interval', ' s')}) apart, so a burst of pod events becomes one status write.
 - **The spec is applied once per generation.** A run applies the spec only when this process has not yet
-  applied the job's current (uid, generation). For a job that has no status yet, the ConfigMap,
+  applied the job's current (uid, generation). For a job the operator has not yet written a status for, the ConfigMap,
   ServiceAccount, Role, RoleBinding and RayJob are POSTed together, with a GET only on 409 AlreadyExists;
   otherwise each is read first.
 - **Status from memory.** The status is computed from the RayJob and the pods the watches delivered (no reads)
@@ -1351,11 +1351,14 @@ def what_changed(doc: Mapping[str, Any]) -> str:
   decode, validate and store the whole RLTrainingJob and send it to every watcher: during a burst those writes
   compete with the requests of KubeRay, whose single worker creates the Ray clusters one after another.
   Creates are never held back; during a burst of N jobs statuses lag instead, until the clusters have
-  started. Meanwhile a job without a status reads `observedGeneration: 0` (the CRD's default): in progress
+  started. Meanwhile such a job reads `observedGeneration: 0` (the CRD's default): in progress
   for Argo CD and kstatus.
 - **An asynchronous client with a cap.** aiohttp on kopf's event loop (uvloop), at most `max_requests`
   ({operator_setting(doc, 'max_requests')}) requests in flight, the others waiting for a connection; bodies
-  encoded and decoded with orjson. Watches have connections of their own, outside the cap.
+  encoded and decoded with orjson. Watches have connections of their own, outside the cap. The objects the
+  imports made are frozen out of garbage collection, and the young generation is wider (`__main__.tune_gc`).
+- **The mounted job is JSON.** The ConfigMap carries `job.json` (pydantic-core's serializer): emitting YAML
+  was most of a render, and a burst of new jobs waits on renders.
 - **Lean informers for RayJobs and pods.** kopf watches only RLTrainingJobs; the RayJobs (by the
   `hybridflow.io/job` label) and unbound Ray pods come from a list+watch of our own (`informer.py`): bookmarks,
   a relist on 410 Gone that reports objects deleted meanwhile, and no per-event copies or handler bookkeeping.
