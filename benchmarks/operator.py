@@ -22,8 +22,10 @@ real KubeRay operator) and a fake A100 fleet big enough for every pod. For each 
 2. hybridflow: a fresh operator process; N RLTrainingJobs are created concurrently; measured until every
    RayJob exists and every Ray pod is bound, then until the operator falls quiet (its API requests).
 
-Each phase's namespace is deleted, and gone, before the next one starts (the last one's goes with the
-control plane). A warm-up of 10 jobs through KubeRay alone comes first.
+Up to N = 100 the two phases run as several pairs, in alternating order (KubeRay alone first, then
+hybridflow first, ...), and the pair with the median ratio is reported. Each phase's namespace is deleted,
+and gone, before the next one starts (the last one's goes with the control plane). A warm-up of 10 jobs
+through KubeRay alone comes first.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ QUICK_OUT = ROOT / "runs" / "bench-operator"
 BEGIN, END = "<!-- operator-bench:start -->", "<!-- operator-bench:end -->"
 SIZES = (100, 500)
 QUICK_SIZES = (10, 20)
-REPEATS = 9  # interleaved pairs of phases per N up to REPEAT_UP_TO; the median pair is reported
+REPEATS = 9  # pairs of phases per N up to REPEAT_UP_TO, in alternating order; the median pair is reported
 REPEAT_UP_TO = 100
 WARMUP_JOBS = 10
 APPLY_THREADS = 16
@@ -92,7 +94,7 @@ TARGETS = {"p99_apply_to_rayjob_s": 2.0, "pods_bound_overhead_ratio": 1.10, "ope
 STAGES_NOTE = (
     "API server clock. react: job created -> the operator's first request for one of its children arrives "
     "(the watch event reaching the operator, its work queue, the render); apply: that request -> the RayJob "
-    "created (the five children are created together)"
+    "created (its ServiceAccount first, then the RayJob, as urgent requests)"
 )
 # recorded with each run
 OPERATOR_SETTINGS = ("max_requests", "status_min_interval", "status_writes_per_s", "spin_up_jobs",
@@ -269,7 +271,7 @@ class Bench:
 
     # -- phases --
 
-    def kuberay_alone(self, n: int, timeout: float) -> dict[str, Any]:
+    def kuberay_alone(self, n: int, timeout: float, cleanup: bool = True) -> dict[str, Any]:
         """The rendered children applied directly: KubeRay does everything that follows."""
         ns = self.namespace("kuberay", n)
         log(f"KubeRay alone, N={n}: namespace {ns}")
@@ -291,7 +293,8 @@ class Bench:
         result["window_s"] = round(t_end - t0, 3)
         result["client_creates_per_job"] = len(children[0]) if children else 0
         log(f"  {_brief(result)}")
-        result["namespace_delete_s"] = round(self.delete_namespace(ns), 1)
+        if cleanup:
+            result["namespace_delete_s"] = round(self.delete_namespace(ns), 1)
         return result
 
     def hybridflow(self, n: int, timeout: float, cleanup: bool = True) -> dict[str, Any]:
@@ -565,7 +568,7 @@ def median_pair(pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The pair (KubeRay alone, hybridflow) with the median overhead ratio, with every pair's figures beside it.
 
     One pair of runs moves by tens of percent with the load other people put on the machine; a median over
-    interleaved pairs does not hinge on one lucky or unlucky run, and keeps every figure of one real run.
+    pairs does not hinge on one lucky or unlucky run, and keeps every figure of one real run.
     """
     def ratio(pair: Mapping[str, Any]) -> float:
         value = pair.get("pods_bound_overhead_ratio")
@@ -580,14 +583,26 @@ def median_pair(pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             "kuberay_alone_pods_bound_s": pair["kuberay_alone"].get("pods_bound_s"),
             "p99_apply_to_rayjob_s": pair["hybridflow"]["apply_to_rayjob_s"].get("p99"),
             "operator_peak_rss_mb": pair["hybridflow"].get("operator_peak_rss_mb"),
+            "first": pair.get("first", "kuberay_alone"),
         } for pair in pairs]
     return chosen
 
 
+def pair_order(repeats: Sequence[Mapping[str, Any]]) -> str:
+    """How the phases of the pairs were ordered, in words."""
+    ours_first = sum(1 for r in repeats if r.get("first") == "hybridflow")
+    if not ours_first:
+        return "KubeRay alone, then hybridflow"
+    return (f"in alternating order: KubeRay alone first in {len(repeats) - ours_first}, hybridflow first in "
+            f"{ours_first}")
+
+
 def run(sizes: Sequence[int], work_dir: Path, keep: bool, baseline: bool = True,
         trace_memory: bool = False, repeats: int = 1) -> dict[str, Any]:
-    """Control plane and fleet up, a warm-up, then per N: KubeRay alone (unless not asked), then hybridflow;
-    `repeats` such pairs, interleaved, for each N up to REPEAT_UP_TO."""
+    """Control plane and fleet up, a warm-up, then per N: KubeRay alone (unless not asked) and hybridflow;
+    `repeats` such pairs for each N up to REPEAT_UP_TO, in alternating order (KubeRay alone first in the
+    1st, 3rd, ... pair), so that a drift over the run, and what one phase leaves behind for the next (its
+    namespace's deletion, a larger etcd), fall on both sides alike."""
     started = time.time()
     commit = _git_commit()
     max_n = max(sizes)
@@ -608,10 +623,17 @@ def run(sizes: Sequence[int], work_dir: Path, keep: bool, baseline: bool = True,
             timeout = max(180.0, 1.5 * n)
             if r:
                 log(f"repeat {r + 1} of N={n}")
-            alone = bench.kuberay_alone(n, timeout) if baseline else {"skipped": True, "pods_bound_s": None}
             # The last phase's namespace goes with the control plane: no need to wait for its deletion.
-            ours = bench.hybridflow(n, timeout, cleanup=i < len(plan) - 1)
-            pairs.setdefault(n, []).append({"hybridflow": ours, "kuberay_alone": alone, **compare(ours, alone)})
+            last = i == len(plan) - 1
+            ours_first = baseline and r % 2 == 1
+            if ours_first:
+                ours = bench.hybridflow(n, timeout)
+                alone = bench.kuberay_alone(n, timeout, cleanup=not last)
+            else:
+                alone = bench.kuberay_alone(n, timeout) if baseline else {"skipped": True, "pods_bound_s": None}
+                ours = bench.hybridflow(n, timeout, cleanup=not last)
+            pairs.setdefault(n, []).append({"hybridflow": ours, "kuberay_alone": alone, **compare(ours, alone),
+                                            "first": "hybridflow" if ours_first else "kuberay_alone"})
         for n, measured in pairs.items():
             results["sizes"][str(n)] = median_pair(measured)
         results["environment"] = environment(cp, len(nodes), started, commit, bench.settings)
@@ -712,7 +734,7 @@ def _readme_block(doc: Mapping[str, Any], findings: str) -> str:
                   "late" if lower else "")
     every = "see \"Every run\" below" if len(other_runs(doc)) else "compare the CPU seconds of other processes"
     repeat_note = "".join(
-        f"\nN = {n}: {len(size['repeats'])} interleaved pairs of phases (KubeRay alone, then hybridflow); their "
+        f"\nN = {n}: {len(size['repeats'])} pairs of phases ({pair_order(size['repeats'])}); their "
         f"ratios were {', '.join(_fmt(r['pods_bound_overhead_ratio'], '', 2) for r in size['repeats'])} and the row "
         "shows the pair with the median ratio.\n"
         for n, size in doc["sizes"].items() if size.get("repeats"))
@@ -974,7 +996,7 @@ CPU_COLUMNS = (("kube-apiserver", "API server"), ("etcd", "etcd"), ("kuberay-ope
                ("operator", "hybridflow operator"), ("benchmark", "benchmark"), ("other", "other processes"))
 STAGE_LABELS = {
     "react": "react: job created → the operator's first request for one of its children",
-    "apply": "apply: → RayJob created (the five children POSTed together)",
+    "apply": "apply: → RayJob created (ServiceAccount, then RayJob, urgent)",
 }
 CHILD_KINDS = ("configmaps", "serviceaccounts", "roles", "rolebindings", "rayjobs")
 
@@ -1335,9 +1357,13 @@ def what_changed(doc: Mapping[str, Any]) -> str:
   one each; runs of one job start at least `status_min_interval`
   ({operator_setting(doc, 'status_min_interval', ' s')}) apart, so a burst of pod events becomes one status write.
 - **The spec is applied once per generation.** A run applies the spec only when this process has not yet
-  applied the job's current (uid, generation). For a job the operator has not yet written a status for, the ConfigMap,
-  ServiceAccount, Role, RoleBinding and RayJob are POSTed together, with a GET only on 409 AlreadyExists;
-  otherwise each is read first.
+  applied the job's current (uid, generation). For a job the operator has not yet written a status for, the children
+  are POSTed with a GET only on 409 AlreadyExists; otherwise each is read first.
+- **The RayJob goes first.** KubeRay's way from a RayJob to bound pods is the long one, so a job's ServiceAccount
+  and then its RayJob go as urgent requests: of the `max_requests` ({operator_setting(doc, 'max_requests')}) in
+  flight, a freed one goes to a waiting urgent request before any other (`slots.py`). The ConfigMap, Role and
+  RoleBinding, needed only once a container runs, go at the same time behind them; the ServiceAccount comes
+  first because the API server refuses pods whose ServiceAccount does not exist yet.
 - **Status from memory.** The status is computed from the RayJob and the pods the watches delivered (no reads)
   and PATCHed only when it changed; one Event per kind of change ("created ConfigMap/…, RayJob/…"), not one
   per child. Pods are watched only while unbound (`spec.nodeName=`, a field selector): only an unbound pod can

@@ -322,7 +322,7 @@ def handler_stages(audit: AuditLog, namespace: str, jobs: list[str],
 
     - react: the job is created -> the operator's first request for one of its children arrives (the
       watch event reaching the operator, its work queue, the render);
-    - apply: that first request -> the RayJob created (the children are created together).
+    - apply: that first request -> the RayJob created (its ServiceAccount first, then the RayJob).
 
     `children[job]` maps each child's resource (configmaps, rayjobs, ...) to its name.
     """

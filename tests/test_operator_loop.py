@@ -46,6 +46,7 @@ class MemoryKube:
         self.objects: dict[tuple[str, str, str], dict] = {}
         self.requests: list[tuple[str, str, str]] = []
         self.refuse: dict[tuple[str, str], ApiException] = {}  # (verb, kind) -> error to raise
+        self.urgent: list[tuple[str, str]] = []  # (verb, kind) of the requests sent as urgent
         self._rv = 100
 
     def put(self, obj: Mapping[str, Any]) -> dict:
@@ -57,19 +58,22 @@ class MemoryKube:
         self.objects[(stored["kind"], meta["namespace"], meta["name"])] = stored
         return copy.deepcopy(stored)
 
-    def _serve(self, verb: str, kind: str, name: str) -> None:
+    def _serve(self, verb: str, kind: str, name: str, urgent: bool = False) -> None:
         self.requests.append((verb, kind, name))
+        if urgent:
+            self.urgent.append((verb, kind))
         if (verb, kind) in self.refuse:
             raise self.refuse[(verb, kind)]
 
-    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
-        self._serve("get", kind, name)
+    async def get(self, api_version: str, kind: str, namespace: str, name: str, *,
+                  urgent: bool = False) -> dict | None:
+        self._serve("get", kind, name, urgent)
         found = self.objects.get((kind, namespace, name))
         return copy.deepcopy(found) if found else None
 
-    async def create(self, obj: Mapping[str, Any]) -> dict:
+    async def create(self, obj: Mapping[str, Any], *, urgent: bool = False) -> dict:
         meta = obj["metadata"]
-        self._serve("create", obj["kind"], meta["name"])
+        self._serve("create", obj["kind"], meta["name"], urgent)
         if (obj["kind"], meta["namespace"], meta["name"]) in self.objects:
             raise api_error(409)
         return self.put(obj)
@@ -264,6 +268,33 @@ def test_a_new_job_costs_five_creates_and_one_status_write() -> None:
     assert condition(job, "Reconciling")["status"] == "True"
     (created,) = [e for e in loop.events if e[1] == "Created"]
     assert created[0] == "Normal" and "RayJob/" in created[2] and "ConfigMap/" in created[2]
+
+
+def test_the_service_account_then_the_rayjob_go_first_as_urgent_requests() -> None:
+    async def scenario() -> Loop:
+        loop = Loop(MemoryKube())
+        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        await loop.settle()
+        return loop
+
+    loop = run(scenario())
+    assert loop.kube.urgent == [("create", "ServiceAccount"), ("create", "RayJob")]
+    creates = [kind for verb, kind in loop.kube.verbs() if verb == "create"]
+    assert creates.index("ServiceAccount") < creates.index("RayJob")
+
+
+def test_no_rayjob_before_its_service_account_exists() -> None:
+    """KubeRay would create pods that the ServiceAccount admission refuses."""
+    async def scenario() -> tuple[Loop, float | None]:
+        loop = Loop(MemoryKube())
+        loop.kube.refuse[("create", "ServiceAccount")] = api_error(500)
+        key = loop.controller.observed.job(new_job(loop.kube))
+        return loop, await loop.controller.process(key)
+
+    loop, retry = run(scenario())
+    assert retry == RETRY_DELAY_S
+    assert ("create", "RayJob") not in loop.kube.verbs()
+    assert {("create", "ConfigMap"), ("create", "Role"), ("create", "RoleBinding")} <= set(loop.kube.verbs())
 
 
 def test_a_jobs_events_wait_for_its_status_write_slot() -> None:

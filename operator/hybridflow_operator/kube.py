@@ -19,6 +19,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from hybridflow.api import API_GROUP, API_VERSION, KIND, PLURAL
+from hybridflow_operator.slots import PrioritySlots
 
 # (apiVersion, kind) -> plural
 PLURALS = {
@@ -115,14 +116,16 @@ def _ssl_context(configuration: client.Configuration) -> ssl.SSLContext | bool:
 class Kube:
     """get / create / patch / list by (apiVersion, kind, namespace, name); raises ApiException.
 
-    At most `max_connections` requests are in flight; the rest wait for a connection, so a burst of
-    jobs queues in the client instead of opening hundreds of TLS connections to the API server.
-    Watch streams have connections of their own, outside that limit.
+    At most `max_connections` requests are in flight; the rest wait for a slot, so a burst of jobs
+    queues in the client instead of opening hundreds of TLS connections to the API server. An `urgent`
+    request waits ahead of the others (see slots.py). Watch streams have connections of their own,
+    outside that limit.
     """
 
     def __init__(self, configuration: client.Configuration, max_connections: int = 32) -> None:
         self.configuration = configuration
         self.max_connections = max_connections
+        self.slots = PrioritySlots(max_connections)
         self._session: aiohttp.ClientSession | None = None
         self._watch_session: aiohttp.ClientSession | None = None
 
@@ -150,18 +153,19 @@ class Kube:
                 await session.close()
         self._session = self._watch_session = None
 
-    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+    async def get(self, api_version: str, kind: str, namespace: str, name: str, *,
+                  urgent: bool = False) -> dict | None:
         try:
-            return await self._call("GET", _path(api_version, kind, namespace, name))
+            return await self._call("GET", _path(api_version, kind, namespace, name), urgent=urgent)
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
 
-    async def create(self, obj: Mapping[str, Any]) -> dict:
+    async def create(self, obj: Mapping[str, Any], *, urgent: bool = False) -> dict:
         meta = obj["metadata"]
         return await self._call("POST", _path(obj["apiVersion"], obj["kind"], meta["namespace"]), body=obj,
-                                params={"fieldManager": FIELD_MANAGER})
+                                params={"fieldManager": FIELD_MANAGER}, urgent=urgent)
 
     async def patch(self, api_version: str, kind: str, namespace: str, name: str, body: Any, *,
                     json_patch: bool = False, status: bool = False) -> dict:
@@ -193,10 +197,10 @@ class Kube:
         return await self._call("GET", "/version")
 
     async def _call(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
-                    params: Mapping[str, str] | None = None) -> dict:
+                    params: Mapping[str, str] | None = None, urgent: bool = False) -> dict:
         payload = None if body is None else orjson.dumps(body)
-        async with self.session.request(method, path.lstrip("/"), data=payload, headers=self._headers(content_type),
-                                        params=params) as response:
+        async with self.slots.slot(urgent), self.session.request(
+                method, path.lstrip("/"), data=payload, headers=self._headers(content_type), params=params) as response:
             data = await response.read()
             if not 200 <= response.status <= 299:
                 raise _refusal(response, data)

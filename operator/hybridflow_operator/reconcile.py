@@ -29,6 +29,10 @@ from hybridflow_operator.status import compute_status
 KIND = "RLTrainingJob"
 CONFLICT_RETRIES = 5
 RETRYABLE = {409, 422}  # resourceVersion conflict; a failed JSON-patch test (the list moved)
+# KubeRay's way from a RayJob to running pods is long, and the pods need their ServiceAccount: these two
+# are created first, in this order, and ahead of every other job's ConfigMap, Role and RoleBinding
+# (needed only once a container runs).
+LEADING_KINDS = ("ServiceAccount", "RayJob")
 
 
 class ChildConflict(RenderError):
@@ -57,16 +61,25 @@ async def ensure_children(kube: Kube, job: Mapping[str, Any], settings: Operator
                           fresh: bool) -> Applied:
     """Create what is missing, patch what may change; RenderError/ChildConflict when it cannot.
 
-    The five children are independent, so they go to the API server together. A `fresh` job (one
-    the operator never wrote a status for) has none yet: each child is POSTed straight away and read
-    only when it turns out to exist (409). Otherwise each is read first, which costs a GET instead of
-    a refused POST for every child that is still there.
+    The ServiceAccount and then the RayJob go as urgent requests (LEADING_KINDS); the other three go
+    to the API server at the same time, behind them. A `fresh` job (one the operator never wrote a
+    status for) has none yet: each child is POSTed straight away and read only when it turns out to
+    exist (409). Otherwise each is read first, which costs a GET instead of a refused POST for every
+    child that is still there.
     """
     rendered = render(job, settings)
     applied = Applied()
+    group = rendered.layout.rollout_group
+    leading = [c for kind in LEADING_KINDS for c in rendered.children if c["kind"] == kind]
+
+    async def lead() -> None:
+        for desired in leading:
+            await _ensure(kube, desired, job, group, applied, fresh=fresh, urgent=True)
+
     outcomes = await asyncio.gather(
-        *(_ensure(kube, desired, job, rendered.layout.rollout_group, applied, fresh=fresh)
-          for desired in rendered.children),
+        lead(),
+        *(_ensure(kube, desired, job, group, applied, fresh=fresh)
+          for desired in rendered.children if desired["kind"] not in LEADING_KINDS),
         return_exceptions=True,
     )
     errors = [e for e in outcomes if isinstance(e, BaseException)]
@@ -76,15 +89,16 @@ async def ensure_children(kube: Kube, job: Mapping[str, Any], settings: Operator
 
 
 async def _ensure(kube: Kube, desired: dict, job: Mapping[str, Any], rollout_group: str | None,
-                  applied: Applied, *, fresh: bool) -> None:
+                  applied: Applied, *, fresh: bool, urgent: bool = False) -> None:
     meta = desired["metadata"]
     kind = desired["kind"]
     ref = f"{kind}/{meta['name']}"
-    existing = None if fresh else await kube.get(desired["apiVersion"], kind, meta["namespace"], meta["name"])
+    existing = None if fresh else await kube.get(desired["apiVersion"], kind, meta["namespace"], meta["name"],
+                                                 urgent=urgent)
     if existing is None:
         if kind == "RayJob" and _finished(job):
             return  # a finished job's RayJob may be gone (TTL, manual delete): never start it again
-        created, existing = await _create(kube, desired)
+        created, existing = await _create(kube, desired, urgent)
         if created is not None:
             applied.created.append(ref)
             if kind == "RayJob":
@@ -144,15 +158,16 @@ def job_name_of(child: Mapping[str, Any]) -> str | None:
 # -- helpers --------------------------------------------------------------------------------------------
 
 
-async def _create(kube: Kube, desired: Mapping[str, Any]) -> tuple[dict | None, dict | None]:
+async def _create(kube: Kube, desired: Mapping[str, Any], urgent: bool) -> tuple[dict | None, dict | None]:
     """(created, None); on AlreadyExists (a previous run or another reconcile got there first) (None, existing)."""
     try:
-        return await kube.create(desired), None
+        return await kube.create(desired, urgent=urgent), None
     except ApiException as e:
         if e.status != 409:
             raise
     meta = desired["metadata"]
-    existing = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+    existing = await kube.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"],
+                              urgent=urgent)
     if existing is None:  # deleted again in between (garbage collection of a stale one): next time
         raise ApiException(status=409, reason=f"{desired['kind']} {meta['name']} is being replaced")
     return None, existing

@@ -58,7 +58,8 @@ class OperatorSettings:
     spin_up_jobs: int = 10
     """Ray clusters starting at once beyond which status writes slow down (see Controller.status_write_rate)."""
     max_requests: int = 32
-    """API requests in flight at once; more wait for a connection instead of crowding the API server."""
+    """API requests in flight at once; more wait for a slot instead of crowding the API server, each job's
+    ServiceAccount and RayJob ahead of the rest."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> OperatorSettings:
