@@ -1118,11 +1118,12 @@ Apply→RayJob per job, split on the API server's clock (audit log), p50 / p99:
 
 {largest}`react` is the job's ADDED event reaching kopf, the `job_changed` handler queueing the job, and the
 job's first run starting and rendering the spec; all of it on the operator's one event loop (uvloop), which
-also receives every event of the informers on RayJobs and unbound Ray pods. `apply` runs from the first of the
-five POSTs to the RayJob's being done; a job the operator has not written a status for is not read first. The
-operator's client keeps at most `max_requests` ({max_requests}) requests in flight, so under a burst a job's
-requests can also wait there for a connection: for its first request that wait is part of `react`, for the
-others part of `apply`. The last RayJob exists
+also receives every event of the informers on RayJobs and unbound Ray pods. `apply` runs from that first
+request to the RayJob's being done: the ServiceAccount's create, then the RayJob's, both urgent (a job the
+operator has not written a status for is not read first). The operator's client keeps at most `max_requests`
+({max_requests}) requests in flight, so under a burst a job's requests wait there for a slot: for its first
+request that wait is part of `react`, for the RayJob part of `apply`; the ConfigMap, Role and RoleBinding wait
+behind every urgent request and are in neither. The last RayJob exists
 {_and([f"{exists(ours, n)} (N = {n})" for n in sizes])} after the first apply{baseline}.
 
 ### API requests and CPU
@@ -1380,9 +1381,10 @@ def what_changed(doc: Mapping[str, Any]) -> str:
   started. Meanwhile such a job reads `observedGeneration: 0` (the CRD's default): in progress
   for Argo CD and kstatus.
 - **An asynchronous client with a cap.** aiohttp on kopf's event loop (uvloop), at most `max_requests`
-  ({operator_setting(doc, 'max_requests')}) requests in flight, the others waiting for a connection; bodies
-  encoded and decoded with orjson. Watches have connections of their own, outside the cap. The objects the
-  imports made are frozen out of garbage collection, and the young generation is wider (`__main__.tune_gc`).
+  ({operator_setting(doc, 'max_requests')}) requests in flight, the others waiting for a slot (urgent ones
+  first); bodies encoded and decoded with orjson. Watches have connections of their own, outside the cap. The
+  objects the imports made are frozen out of garbage collection, and the young generation is wider
+  (`__main__.tune_gc`).
 - **The mounted job is JSON.** The ConfigMap carries `job.json` (pydantic-core's serializer): emitting YAML
   was most of a render, and a burst of new jobs waits on renders.
 - **Lean informers for RayJobs and pods.** kopf watches only RLTrainingJobs; the RayJobs (by the
