@@ -250,7 +250,7 @@ def test_pods_are_kept_by_their_job_and_forgotten_when_deleted() -> None:
 # -- the controller ---------------------------------------------------------------------------------------
 
 
-def test_a_new_job_costs_five_creates_and_one_status_write() -> None:
+def test_a_new_job_costs_five_creates_and_one_status_write_its_rayjob_urgent() -> None:
     async def scenario() -> Loop:
         loop = Loop(MemoryKube())
         loop.controller.job_event(new_job(loop.kube), "ADDED")
@@ -268,16 +268,7 @@ def test_a_new_job_costs_five_creates_and_one_status_write() -> None:
     assert condition(job, "Reconciling")["status"] == "True"
     (created,) = [e for e in loop.events if e[1] == "Created"]
     assert created[0] == "Normal" and "RayJob/" in created[2] and "ConfigMap/" in created[2]
-
-
-def test_the_service_account_then_the_rayjob_go_first_as_urgent_requests() -> None:
-    async def scenario() -> Loop:
-        loop = Loop(MemoryKube())
-        loop.controller.job_event(new_job(loop.kube), "ADDED")
-        await loop.settle()
-        return loop
-
-    loop = run(scenario())
+    # the ServiceAccount, then the RayJob, as urgent requests: ahead of any job's other children
     assert loop.kube.urgent == [("create", "ServiceAccount"), ("create", "RayJob")]
     creates = [kind for verb, kind in loop.kube.verbs() if verb == "create"]
     assert creates.index("ServiceAccount") < creates.index("RayJob")
