@@ -114,7 +114,7 @@ def _ssl_context(configuration: client.Configuration) -> ssl.SSLContext | bool:
 
 
 class Kube:
-    """get / create / patch / list by (apiVersion, kind, namespace, name); raises ApiException.
+    """get / create / patch by (apiVersion, kind, namespace, name), list and watch by path; raises ApiException.
 
     At most `max_connections` requests are in flight; the rest wait for a slot, so a burst of jobs
     queues in the client instead of opening hundreds of TLS connections to the API server. An `urgent`
@@ -124,7 +124,6 @@ class Kube:
 
     def __init__(self, configuration: client.Configuration, max_connections: int = 32) -> None:
         self.configuration = configuration
-        self.max_connections = max_connections
         self.slots = PrioritySlots(max_connections)
         self._session: aiohttp.ClientSession | None = None
         self._watch_session: aiohttp.ClientSession | None = None
@@ -132,7 +131,7 @@ class Kube:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:  # created lazily: it binds to the running event loop
-            self._session = self._new_session(self.max_connections, aiohttp.ClientTimeout(total=TIMEOUT_S))
+            self._session = self._new_session(self.slots.limit, aiohttp.ClientTimeout(total=TIMEOUT_S))
         return self._session
 
     @property
@@ -172,10 +171,6 @@ class Kube:
         return await self._call("PATCH", _path(api_version, kind, namespace, name, "status" if status else None),
                                 body=body, content_type=JSON_PATCH if json_patch else MERGE,
                                 params={"fieldManager": FIELD_MANAGER})
-
-    async def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict]:
-        found = await self._call("GET", _path(api_version, kind, namespace), params={"labelSelector": label_selector})
-        return found.get("items") or []
 
     async def list_page(self, path: str, params: Mapping[str, str]) -> dict:
         """One page of a LIST by path (`/api/v1/pods`), as the API server sends it: items, metadata."""
