@@ -37,13 +37,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _graph_problems(job: RLTrainingJob) -> list[str]:
-    from hybridflow.graph import GraphError, graph_for
+    from hybridflow.plan import graph_problems
 
-    try:
-        graph_for(job.spec, "GPU")
-    except GraphError as e:
-        return [f"spec.graph: {p}" for p in e.problems]
-    return []
+    return graph_problems(job.spec, "GPU")
 
 
 def cmd_render(args: argparse.Namespace) -> int:

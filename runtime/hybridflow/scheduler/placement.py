@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.graph import ColocationGroup, DataflowGraph, GraphError
+from hybridflow.k8s.contract import pool_resource
 
 EMPTY_BUNDLE_CPU = 0.01
 """Ray rejects all-zero bundles, so a group that asks for nothing reserves this sliver of CPU."""
@@ -87,6 +88,20 @@ def per_node_max(node_totals: Sequence[Mapping[str, float]]) -> dict[str, float]
         for k, v in node.items():
             out[k] = max(out.get(k, 0.0), float(v))
     return out
+
+
+def pin_to_pools(graph: DataflowGraph, cluster_resources: Mapping[str, float]) -> DataflowGraph:
+    """Ask each node for its pool's Ray resource when the cluster advertises it.
+
+    KubeRay worker groups rendered by the operator advertise pool_resource(group) (GPUs per pod, or CPUs
+    for a group without GPUs); requesting the same share pins a node's instances to its own group.
+    """
+    for n in graph.nodes:
+        key = pool_resource(n.pool)
+        share = n.resources.get("GPU") or n.resources.get("CPU", 0.0)
+        if key in cluster_resources and share > 0:
+            n.resources[key] = share
+    return graph
 
 
 # -- the plan ------------------------------------------------------------------------------------
