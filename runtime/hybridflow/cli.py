@@ -66,7 +66,7 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
         return 1
     if getattr(args, "steps", None):
         job.spec.trainer.total_steps = args.steps
-    from hybridflow.controller import TrainingFailed, init_ray, run_training
+    from hybridflow.driver import TrainingFailed, init_ray, run_training
     from hybridflow.preflight import preflight
 
     init_ray(local, getattr(args, "num_cpus", None))
@@ -87,7 +87,7 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
         return _fail(str(e))
     except Exception as e:  # placement and other plan errors carry their own message
         bar.close()
-        from hybridflow.controller import _cause
+        from hybridflow.driver import _cause
 
         return _fail(_cause(e))
     bar.close()

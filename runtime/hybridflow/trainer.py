@@ -1,6 +1,6 @@
 """The single controller: walks the dataflow graph each step (generate, score, evaluate, update, sync).
 
-It runs inside a Ray actor (see controller.py); the heavy work runs in WorkerHost actors placed by the
+It runs inside a Ray actor (see driver.py); the heavy work runs in WorkerHost actors placed by the
 HybridScheduler. Only small batches pass through here: the advantage math is the controller's own.
 """
 
