@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from hybridflow.api import RLTrainingJob, SpecError, load_job
+from hybridflow.k8s import contract
 
 
 def _fail(message: str) -> int:
@@ -48,12 +50,13 @@ def cmd_render(args: argparse.Namespace) -> int:
     except SpecError as e:
         print(e.render(), file=sys.stderr)
         return 1
-    from hybridflow_operator.render import RenderError, render_manifests
-    from hybridflow_operator.settings import OperatorSettings
+    from hybridflow.k8s.errors import RenderError
+    from hybridflow.k8s.render import render_manifests
+    from hybridflow.k8s.settings import RenderSettings, SettingsError
 
     try:
-        sys.stdout.write(render_manifests(job, OperatorSettings.from_env()))
-    except RenderError as e:
+        sys.stdout.write(render_manifests(job, RenderSettings.from_env()))
+    except (RenderError, SettingsError) as e:
         return _fail(str(e))
     return 0
 
@@ -139,6 +142,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if not args.config:
+        return _fail(f"no job to train: pass --config FILE or set {contract.ENV_CONFIG} "
+                     "(the operator sets it in every Ray pod)")
     return _train(args, args.config, local=args.local)
 
 
@@ -154,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(fn=cmd_run)
     train = sub.add_parser("train", help="the cluster entrypoint: join the running Ray cluster")
-    train.add_argument("--config", required=True)
+    train.add_argument("--config", default=os.environ.get(contract.ENV_CONFIG),
+                       help=f"the job file (default: ${contract.ENV_CONFIG})")
     train.add_argument("--metrics-out")
     train.add_argument("--local", action="store_true", help="start Ray in-process instead of joining one")
     train.add_argument("--quiet", action="store_true")
