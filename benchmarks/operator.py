@@ -68,9 +68,9 @@ from benchmarks.operator_cluster import (
     request_latencies,
 )
 from benchmarks.operator_watch import NamespaceTracker
-from hybridflow_operator import names
-from hybridflow_operator.kube import PLURALS
-from hybridflow_operator.render import render_children
+from hybridflow.k8s import names
+from hybridflow.k8s.render import render_children
+from hybridflow_operator.machinery.client import PLURALS
 from hybridflow_operator.settings import OperatorSettings, from_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -276,7 +276,7 @@ class Bench:
         ns = self.namespace("kuberay", n)
         log(f"KubeRay alone, N={n}: namespace {ns}")
         jobs = [bench_job(name, ns) for name in job_names(n)]
-        children = [render_children(job, self.settings) for job in jobs]
+        children = [render_children(job, self.settings.render) for job in jobs]
         for objs in children:
             for obj in objs:
                 obj["metadata"].pop("ownerReferences", None)

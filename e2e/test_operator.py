@@ -23,9 +23,9 @@ import pytest
 import yaml
 
 from e2e.harness.controlplane import ControlPlane, eventually, free_port, tail
-from hybridflow_operator import names
-from hybridflow_operator.render import render_children
-from hybridflow_operator.settings import OperatorSettings
+from hybridflow.k8s import names
+from hybridflow.k8s.render import render_children
+from hybridflow.k8s.settings import RenderSettings
 
 pytestmark = pytest.mark.controlplane
 
@@ -272,7 +272,7 @@ def test_example_job_gets_its_owned_children_and_a_rayjob_kuberay_accepts(
         assert [(r["uid"], r.get("controller"), r.get("blockOwnerDeletion")) for r in refs] == [(uid, True, True)], kind
 
     # exactly what `hybridflow render` prints for this job (as the API server stored it)
-    expected = {c["kind"]: c for c in render_children(job, OperatorSettings())}
+    expected = {c["kind"]: c for c in render_children(job, RenderSettings())}
     (cm,) = found["configmap"]
     assert cm["data"] == expected["ConfigMap"]["data"]
     assert rayjob["spec"]["entrypoint"] == expected["RayJob"]["spec"]["entrypoint"]
