@@ -1390,12 +1390,14 @@ def what_changed(doc: Mapping[str, Any]) -> str:
 - **One watch system.** RLTrainingJobs, RayJobs (by the `hybridflow.io/job` label) and unbound Ray pods all
   come from a list+watch of our own (`machinery/informer.py`): bookmarks, a relist on 410 Gone that reports
   objects deleted meanwhile, and no per-event copies or handler bookkeeping. kopf starts and stops the
-  operator, serves the liveness probe and posts the Events, with no resource handler and no scanning of CRDs
-  or namespaces (`lifecycle.py`). Why not kopf's watching: with a handler that does nothing and storages that
-  keep nothing, kopf's per-event machinery (cause detection, handler invocation, per-object memory) took
-  1.09 ms of CPU per RLTrainingJob event, 1.28 ms with a `kopf.index` for the in-memory view, against 0.26 ms
-  for the informer (`python -m benchmarks.operator_watch_cost`: 300 jobs created and each status patched 4
-  times, 1,500 events per run, each watcher in a fresh process measuring its own CPU; medians of 3 runs in
+  operator and serves the liveness probe, with no resource handler and no scanning of CRDs or namespaces
+  (`lifecycle.py`); Events go out through the operator's client (`events.py`), since kopf's poster is
+  reachable only from inside its resource handlers. Why not kopf's watching: with a handler that does
+  nothing and storages that keep nothing, kopf's per-event machinery (cause detection, handler invocation,
+  per-object memory) took 1.09 ms of CPU per RLTrainingJob event, 1.28 ms with a `kopf.index` for the
+  in-memory view, against 0.26 ms for the informer (`python -m benchmarks.operator_watch_cost`: 300 jobs
+  created and each status patched 4 times, 1,500 events per run, each watcher in a fresh process measuring
+  its own CPU; medians of 3 runs in
   alternating order, ranges 0.89-1.14, 0.86-1.46 and 0.24-0.29 ms; `results/operator_watch_cost.json`).
   Earlier runs of `make bench-operator` had kopf's default storages at a third of the operator's CPU, and
   moving RayJobs and pods to the informer cut the operator's CPU at N = 100 from 3.2 s to 0.9 s. Figures

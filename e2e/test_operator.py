@@ -575,9 +575,11 @@ def test_graph_needing_more_gpus_stalls_with_an_event_and_no_retry_storm(
     doc["spec"]["graph"] = {
         "nodes": [
             {"name": "actor", "role": "actor_rollout", "resources": {"GPU": 1}, "parallelism": 32, "pool": "actor"},
+            {"name": "reward", "role": "reward", "parallelism": 32, "pool": "actor"},
             {"name": "critic", "role": "critic", "resources": {"GPU": 1}, "parallelism": 8, "pool": "critic"},
         ],
-        "edges": [{"src": "actor", "dst": "critic"}, {"src": "critic", "dst": "actor", "control": True}],
+        "edges": [{"src": "actor", "dst": "reward", "coLocate": True}, {"src": "actor", "dst": "critic"},
+                  {"src": "critic", "dst": "actor", "control": True}],
     }
     apply(cp, doc)
     job = wait_job(
@@ -612,6 +614,30 @@ def test_graph_needing_more_gpus_stalls_with_an_event_and_no_retry_storm(
         cp, running, namespace, "too-big", lambda j: condition(j, "Stalled").get("status") == "False", "Stalled clears"
     )
     assert job["status"]["phase"] == "Pending"
+
+
+def test_a_graph_that_cannot_train_stalls_before_any_child_exists(
+    control_plane: ControlPlane, running: OperatorProcess, namespace: str
+) -> None:
+    cp = control_plane
+    doc = example(namespace, "no-reward")
+    doc["spec"]["graph"] = {  # PPO without a reward node: the schema accepts it, the training rules do not
+        "nodes": [
+            {"name": "actor", "role": "actor_rollout", "resources": {"GPU": 1}, "pool": "actor"},
+            {"name": "critic", "role": "critic", "resources": {"GPU": 1}, "pool": "critic"},
+        ],
+        "edges": [{"src": "actor", "dst": "critic"}, {"src": "critic", "dst": "actor", "control": True}],
+    }
+    apply(cp, doc)
+    job = wait_job(
+        cp, running, namespace, "no-reward", lambda j: condition(j, "Stalled").get("status") == "True", "Stalled=True"
+    )
+    stalled = condition(job, "Stalled")
+    assert stalled["reason"] == "InvalidGraph"
+    assert stalled["message"].startswith("spec.graph: ") and "needs a node with role reward" in stalled["message"]
+    assert job["status"]["phase"] == "Stalled"
+    assert get(cp, "rayjob", namespace, names.rayjob_name("no-reward")) is None
+    assert not any(children(cp, namespace, "no-reward").values())
 
 
 def test_operator_restart_creates_no_duplicates(

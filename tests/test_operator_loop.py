@@ -10,6 +10,7 @@ import asyncio
 import copy
 import itertools
 import json
+import logging
 import uuid
 from collections.abc import Awaitable, Mapping
 from pathlib import Path
@@ -20,6 +21,7 @@ import yaml
 
 from hybridflow.k8s import names
 from hybridflow.k8s.settings import RenderSettings
+from hybridflow_operator.events import EventPoster, event_body
 from hybridflow_operator.machinery.client import ApiException
 from hybridflow_operator.machinery.ratelimit import TokenBucket
 from hybridflow_operator.machinery.workqueue import WorkQueue
@@ -586,3 +588,33 @@ def test_a_deleted_or_deleting_job_is_forgotten(event_type: str | None) -> None:
     kept = loop.reconciler.observed.jobs.get((NS, "ppo"))
     assert kept is None or kept.deleting
 
+
+
+# -- Events --------------------------------------------------------------------------------------------------
+
+
+def test_an_event_names_the_job_and_normal_ones_follow_the_event_level() -> None:
+    ref = {"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLTrainingJob",
+           "metadata": {"name": "ppo", "namespace": NS, "uid": "u1"}}
+    body = event_body(ref, "Warning", "InvalidGraph", "x" * 5000, "2026-01-01T00:00:00Z")
+    assert body["involvedObject"] == {"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLTrainingJob",
+                                      "name": "ppo", "namespace": NS, "uid": "u1"}
+    assert body["metadata"] == {"namespace": NS, "generateName": "ppo."} and len(body["message"]) == 1024
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.created: list[dict] = []
+
+        async def create(self, obj: dict) -> dict:
+            self.created.append(obj)
+            return obj
+
+    async def scenario() -> list[dict]:
+        kube = Recorder()
+        poster = EventPoster(kube, logging.WARNING)  # type: ignore[arg-type]
+        poster(ref, "Normal", "Created", "created RayJob/ppo")
+        poster(ref, "Warning", "InvalidGraph", "spec.graph: ...")
+        await poster.close()
+        return kube.created
+
+    assert [(e["type"], e["reason"]) for e in run(scenario())] == [("Warning", "InvalidGraph")]

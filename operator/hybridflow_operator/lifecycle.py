@@ -1,4 +1,5 @@
-"""What kopf does for the operator: start and stop it, answer the liveness probe, post Events.
+"""What kopf does for the operator: start and stop it (signals, start-up and clean-up), log in, and serve
+the liveness probe.
 
 Watching is not kopf's here. kopf runs its whole per-event machinery (cause detection, handler
 invocation, per-object memories) for every event of a watched resource, even with a handler that does
@@ -7,17 +8,18 @@ kopf.index on top), against 0.26 ms for the informer, which reads the same event
 only records them (benchmarks/operator_watch_cost.py, medians of 3 runs of 1,500 events; see
 benchmarks/README.md). A burst of N jobs brings about 10 events per job across the three kinds, so
 RLTrainingJobs, RayJobs and Ray pods all come through the informers (watches.py), and kopf is started
-with no resource handler and no scanning of CRDs or namespaces: it has nothing to watch.
+with no resource handler and no scanning of CRDs or namespaces: it has nothing to watch. Without a
+resource handler kopf's Event poster is out of reach too (events.py posts them).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import kopf
 
+from hybridflow_operator.events import EventPoster
 from hybridflow_operator.machinery.client import Kube, load_configuration
 from hybridflow_operator.reconciler import Reconciler
 from hybridflow_operator.settings import OperatorSettings
@@ -27,6 +29,8 @@ from hybridflow_operator.watches import informers
 def registry() -> kopf.OperatorRegistry:
     """kopf's handlers for the operator; `memo.settings` carries its OperatorSettings."""
     handlers = kopf.OperatorRegistry()
+    # kopf's own registry adds this login for itself; a registry of ours has to name it (in-cluster or kubeconfig)
+    kopf.on.login(registry=handlers)(kopf.login_via_client)
     kopf.on.startup(registry=handlers)(start)
     kopf.on.cleanup(registry=handlers)(stop)
     kopf.on.probe(id="kubernetes", registry=handlers)(api_reachable)
@@ -37,9 +41,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     """Build the reconciler and start its informers and resync on kopf's event loop."""
     ours: OperatorSettings = memo.settings
     settings.scanning.disabled = True  # no resource handlers: no CRD or namespace watch either
-    settings.posting.level = ours.event_level_number
-    settings.posting.loggers = False  # Events are the ones the reconciler posts, not kopf's log lines
-    reconciler = Reconciler(Kube(load_configuration(), ours.max_requests), ours, post_event)
+    kube = Kube(load_configuration(), ours.max_requests)
+    memo.events = events = EventPoster(kube, ours.event_level_number)
+    reconciler = Reconciler(kube, ours, events)
     loop = asyncio.get_running_loop()
     memo.reconciler = reconciler
     memo.tasks = [loop.create_task(reconciler.resync_forever(), name="resync")]
@@ -53,6 +57,7 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
     reconciler: Reconciler | None = memo.get("reconciler")
     if reconciler is not None:
         reconciler.queue.close()
+        await memo.events.close()
         await reconciler.kube.close()
 
 
@@ -60,8 +65,3 @@ async def api_reachable(memo: kopf.Memo, **_: Any) -> bool:
     """Liveness: the operator can still talk to the API server."""
     return bool(await memo.reconciler.kube.version())
 
-
-def post_event(ref: Mapping[str, Any], event_type: str, reason: str, message: str) -> None:
-    """Through kopf's Event poster, which drops Normal events below the configured level."""
-    post = kopf.warn if event_type == "Warning" else kopf.info
-    post(kopf.Body(cast(kopf.RawBody, dict(ref))), reason=reason, message=message)

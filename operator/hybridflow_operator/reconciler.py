@@ -69,10 +69,10 @@ class Reconciler:
         self._stalled: dict[Key, Stalled] = {}
         self._recheck: set[Key] = set()  # read the job again before acting: its RayJob vanished
         self._reports: dict[Key, list[Report]] = {}  # Events waiting for the job's next status write
-        self._sources: list[asyncio.Event] = []  # each set once an informer of children has listed
+        self._sources: list[asyncio.Event] = []  # each set once its informer has listed
 
     def follows(self, listed: asyncio.Event) -> None:
-        """Hold every run until this source of children has been listed once (`listed` is set).
+        """Hold every run until this informer has listed once (`listed` is set).
 
         A status computed before the unbound pods are known would drop an Unschedulable condition
         after a restart, only to bring it back a moment later.

@@ -27,6 +27,7 @@ PLURALS = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Pod"): "pods",
+    ("v1", "Event"): "events",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("ray.io/v1", "RayJob"): "rayjobs",

@@ -36,7 +36,7 @@ def as_job(job: Mapping[str, Any] | RLTrainingJob) -> RLTrainingJob:
     if isinstance(job, RLTrainingJob):
         return job
     try:
-        return parse_job(_plain(job), source="spec")
+        return parse_job(dict(job), source="spec")
     except SpecError as e:
         raise RenderError("spec", "InvalidSpec", "; ".join(e.problems)) from None
 
@@ -183,11 +183,3 @@ def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 
 _BlockDumper.add_representer(str, _represent_str)
 
-
-def _plain(value: Any) -> Any:
-    """Deep copy of a kopf body (Mapping views) as plain dicts and lists."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
