@@ -92,7 +92,7 @@ def run_system(system: str, steps: int, result: Path) -> dict[str, Any]:
         start_local_ray()
         try:
             if system == "hybridflow":
-                from hybridflow.controller import run_training
+                from hybridflow.driver import run_training
 
                 metrics = result.with_name(f"{result.stem}-metrics.jsonl")
                 run_training(job, str(metrics))

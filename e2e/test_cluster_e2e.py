@@ -44,7 +44,7 @@ from e2e.harness.controlplane import (
     tail,
 )
 from hybridflow.api import API_GROUP
-from hybridflow_operator import names
+from hybridflow.k8s import names
 from hybridflow_operator.settings import OperatorSettings, from_env
 
 pytestmark = pytest.mark.controlplane
@@ -365,7 +365,7 @@ class E2E:
         return not a100 or not all(self.fleet.fits(n, 64 + 2 * 16, "928Gi") for n in a100)
 
     def products(self, gpu_type: str) -> tuple[str, ...]:
-        return tuple(self.operator.settings.gpu_products.get(gpu_type, ()))
+        return tuple(self.operator.settings.render.gpu_products.get(gpu_type, ()))
 
     def forbidden_since_mark(self) -> list[str]:
         return [line for line in self.operator.log()[self.log_mark :].splitlines() if FORBIDDEN.search(line)]

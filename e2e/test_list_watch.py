@@ -14,10 +14,10 @@ import pytest
 from kubernetes import client, config
 
 from e2e.harness.controlplane import ControlPlane
-from hybridflow_operator import informer as informer_module
-from hybridflow_operator import names
-from hybridflow_operator.informer import Informer, Source, collection_path
-from hybridflow_operator.kube import Kube
+from hybridflow.k8s import names
+from hybridflow_operator.machinery import informer as informer_module
+from hybridflow_operator.machinery.client import Kube
+from hybridflow_operator.machinery.informer import Informer, Source, collection_path
 
 pytestmark = pytest.mark.controlplane
 WAIT_S = 30.0

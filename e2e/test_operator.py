@@ -23,9 +23,9 @@ import pytest
 import yaml
 
 from e2e.harness.controlplane import ControlPlane, eventually, free_port, tail
-from hybridflow_operator import names
-from hybridflow_operator.render import render_children
-from hybridflow_operator.settings import OperatorSettings
+from hybridflow.k8s import names
+from hybridflow.k8s.render import render_children
+from hybridflow.k8s.settings import RenderSettings
 
 pytestmark = pytest.mark.controlplane
 
@@ -272,7 +272,7 @@ def test_example_job_gets_its_owned_children_and_a_rayjob_kuberay_accepts(
         assert [(r["uid"], r.get("controller"), r.get("blockOwnerDeletion")) for r in refs] == [(uid, True, True)], kind
 
     # exactly what `hybridflow render` prints for this job (as the API server stored it)
-    expected = {c["kind"]: c for c in render_children(job, OperatorSettings())}
+    expected = {c["kind"]: c for c in render_children(job, RenderSettings())}
     (cm,) = found["configmap"]
     assert cm["data"] == expected["ConfigMap"]["data"]
     assert rayjob["spec"]["entrypoint"] == expected["RayJob"]["spec"]["entrypoint"]
@@ -575,9 +575,11 @@ def test_graph_needing_more_gpus_stalls_with_an_event_and_no_retry_storm(
     doc["spec"]["graph"] = {
         "nodes": [
             {"name": "actor", "role": "actor_rollout", "resources": {"GPU": 1}, "parallelism": 32, "pool": "actor"},
+            {"name": "reward", "role": "reward", "parallelism": 32, "pool": "actor"},
             {"name": "critic", "role": "critic", "resources": {"GPU": 1}, "parallelism": 8, "pool": "critic"},
         ],
-        "edges": [{"src": "actor", "dst": "critic"}, {"src": "critic", "dst": "actor", "control": True}],
+        "edges": [{"src": "actor", "dst": "reward", "coLocate": True}, {"src": "actor", "dst": "critic"},
+                  {"src": "critic", "dst": "actor", "control": True}],
     }
     apply(cp, doc)
     job = wait_job(
@@ -612,6 +614,30 @@ def test_graph_needing_more_gpus_stalls_with_an_event_and_no_retry_storm(
         cp, running, namespace, "too-big", lambda j: condition(j, "Stalled").get("status") == "False", "Stalled clears"
     )
     assert job["status"]["phase"] == "Pending"
+
+
+def test_a_graph_that_cannot_train_stalls_before_any_child_exists(
+    control_plane: ControlPlane, running: OperatorProcess, namespace: str
+) -> None:
+    cp = control_plane
+    doc = example(namespace, "no-reward")
+    doc["spec"]["graph"] = {  # PPO without a reward node: the schema accepts it, the training rules do not
+        "nodes": [
+            {"name": "actor", "role": "actor_rollout", "resources": {"GPU": 1}, "pool": "actor"},
+            {"name": "critic", "role": "critic", "resources": {"GPU": 1}, "pool": "critic"},
+        ],
+        "edges": [{"src": "actor", "dst": "critic"}, {"src": "critic", "dst": "actor", "control": True}],
+    }
+    apply(cp, doc)
+    job = wait_job(
+        cp, running, namespace, "no-reward", lambda j: condition(j, "Stalled").get("status") == "True", "Stalled=True"
+    )
+    stalled = condition(job, "Stalled")
+    assert stalled["reason"] == "InvalidGraph"
+    assert stalled["message"].startswith("spec.graph: ") and "needs a node with role reward" in stalled["message"]
+    assert job["status"]["phase"] == "Stalled"
+    assert get(cp, "rayjob", namespace, names.rayjob_name("no-reward")) is None
+    assert not any(children(cp, namespace, "no-reward").values())
 
 
 def test_operator_restart_creates_no_duplicates(

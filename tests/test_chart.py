@@ -198,7 +198,7 @@ def test_environment(default: list[dict[str, Any]], namespaced: list[dict[str, A
 
 def test_gpu_map_and_runtime_image_equal_the_operator_defaults(default: list[dict[str, Any]]) -> None:
     """The chart passes the map explicitly; it must not silently differ from the built-in one."""
-    settings = pytest.importorskip("hybridflow_operator.settings")
+    settings = pytest.importorskip("hybridflow.k8s.settings")
     builtin = {k: list(v) for k, v in settings.DEFAULT_GPU_PRODUCTS.items()}
     assert VALUES["gpuProductLabels"] == builtin
     assert settings.parse_gpu_products(env(default)["HYBRIDFLOW_GPU_PRODUCTS"]) == dict(settings.DEFAULT_GPU_PRODUCTS)
@@ -296,10 +296,10 @@ def test_rbac_can_be_left_to_the_cluster_admin(helm: str) -> None:
 def test_the_operator_holds_what_it_grants_to_ray_pods(default: list[dict[str, Any]]) -> None:
     """RBAC refuses to let the operator create a Role granting more than the operator holds."""
     held = grants(one(default, "ClusterRole", RELEASE))
-    render = pytest.importorskip("hybridflow_operator.render")
-    settings = pytest.importorskip("hybridflow_operator.settings")
+    render = pytest.importorskip("hybridflow.k8s.render")
+    settings = pytest.importorskip("hybridflow.k8s.settings")
     job = yaml.safe_load((ROOT / "examples" / "ppo-job.yaml").read_text())
-    children = render.render_children(job, settings.OperatorSettings())
+    children = render.render_children(job, settings.RenderSettings())
     roles = [c for c in children if c["kind"] == "Role"]
     assert roles, "the operator renders a Role for the Ray pods"
     for role in roles:
@@ -441,11 +441,11 @@ def test_rendered_chart_is_accepted_and_its_rbac_suffices(helm: str, apiserver: 
 
     # Everything the operator renders for a job, created as the operator: this is where RBAC's
     # escalation check (a Role may grant only what its creator holds) would bite.
-    render = pytest.importorskip("hybridflow_operator.render")
-    settings = pytest.importorskip("hybridflow_operator.settings")
+    render = pytest.importorskip("hybridflow.k8s.render")
+    settings = pytest.importorskip("hybridflow.k8s.settings")
     job = yaml.safe_load((ROOT / "examples" / "ppo-job.yaml").read_text())
     job["metadata"]["namespace"] = job_ns
-    children = render.render_children(job, settings.OperatorSettings())
+    children = render.render_children(job, settings.RenderSettings())
     if not kuberay:
         children = [c for c in children if c["kind"] != "RayJob"]
     for child in children:

@@ -86,3 +86,15 @@ def test_run_fails_within_the_placement_timeout_naming_missing_gpus(tmp_path, ex
     assert_clean_failure(out, "GPU")
     assert "missing" in out.stderr
     assert time.monotonic() - t0 < 180
+
+
+def test_train_reads_its_job_from_the_config_variable_the_operator_sets(monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridflow import cli
+    from hybridflow.k8s import contract
+
+    monkeypatch.setenv(contract.ENV_CONFIG, contract.CONFIG_PATH)
+    assert cli.build_parser().parse_args(["train"]).config == contract.CONFIG_PATH
+    monkeypatch.delenv(contract.ENV_CONFIG)
+    assert cli.main(["train"]) == 1
+    assert contract.ENV_CONFIG in capsys.readouterr().err

@@ -110,7 +110,7 @@ def test_spec_graph_round_trip() -> None:
 
 
 def test_nodes_are_pinned_to_their_worker_group_when_the_cluster_advertises_it() -> None:
-    from hybridflow.graph import pin_to_pools
+    from hybridflow.scheduler.placement import pin_to_pools
 
     g = pin_to_pools(design_graph(), {"GPU": 16, "pool_default": 8})
     assert g.get("actor_rollout").resources == {"GPU": 0.5, "pool_default": 0.5}

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from hybridflow_operator.informer import Source, collection_path, stub, vanished
-from hybridflow_operator.kube import JsonLines
+from hybridflow_operator.machinery.client import JsonLines
+from hybridflow_operator.machinery.informer import Source, collection_path, stub, vanished
 
 
 @pytest.mark.parametrize(("api_version", "plural", "namespace", "path"), [

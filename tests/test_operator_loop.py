@@ -10,6 +10,7 @@ import asyncio
 import copy
 import itertools
 import json
+import logging
 import uuid
 from collections.abc import Awaitable, Mapping
 from pathlib import Path
@@ -18,12 +19,15 @@ from typing import Any
 import pytest
 import yaml
 
-from hybridflow_operator import names
-from hybridflow_operator.controller import RETRY_DELAY_S, Controller, Observed, newer
-from hybridflow_operator.kube import ApiException
-from hybridflow_operator.ratelimit import TokenBucket
+from hybridflow.k8s import names
+from hybridflow.k8s.settings import RenderSettings
+from hybridflow_operator.events import EventPoster, event_body
+from hybridflow_operator.machinery.client import ApiException
+from hybridflow_operator.machinery.ratelimit import TokenBucket
+from hybridflow_operator.machinery.workqueue import WorkQueue
+from hybridflow_operator.observed import JobView, Key, Observed, newer
+from hybridflow_operator.reconciler import RETRY_DELAY_S, Reconciler
 from hybridflow_operator.settings import OperatorSettings
-from hybridflow_operator.workqueue import WorkQueue
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = "team-a"
@@ -103,13 +107,23 @@ def new_job(kube: MemoryKube, name: str = "ppo", **spec_changes: Any) -> dict:
 
 
 class Loop:
-    """A Controller on a MemoryKube, with its Events collected."""
+    """A Reconciler on a MemoryKube, with its Events collected; `gpu_products` goes to the render settings."""
 
-    def __init__(self, kube: MemoryKube, **settings: Any) -> None:
+    def __init__(self, kube: MemoryKube, gpu_products: Mapping[str, tuple[str, ...]] | None = None,
+                 **settings: Any) -> None:
         self.kube = kube
         self.events: list[tuple[str, str, str]] = []
-        self.controller = Controller(kube, OperatorSettings(**{"status_min_interval": 0.01, **settings}),  # type: ignore[arg-type]
+        if gpu_products is not None:
+            settings["render"] = RenderSettings(gpu_products=gpu_products)
+        self.reconciler = Reconciler(kube, OperatorSettings(**{"status_min_interval": 0.01, **settings}),  # type: ignore[arg-type]
                                      lambda ref, kind, reason, message: self.events.append((kind, reason, message)))
+
+    def job_event(self, obj: Mapping[str, Any], event_type: str | None) -> None:
+        """As the informer delivers it: parsed once into a JobView."""
+        self.reconciler.job_event(JobView.parse(obj), event_type)
+
+    def observe_job(self, obj: Mapping[str, Any]) -> Key:
+        return self.reconciler.observed.job(JobView.parse(obj))
 
     def stored_job(self, name: str = "ppo") -> dict:
         return self.kube.objects[("RLTrainingJob", NS, name)]
@@ -118,7 +132,7 @@ class Loop:
         return self.kube.objects.get(("RayJob", NS, names.rayjob_name(name)))
 
     async def settle(self) -> None:
-        await settle(self.controller.queue)
+        await settle(self.reconciler.queue)
 
 
 def condition(job: Mapping[str, Any], kind: str) -> dict:
@@ -227,12 +241,15 @@ def test_the_token_bucket_allows_a_burst_then_its_rate() -> None:
 def test_an_older_event_never_replaces_a_newer_object() -> None:
     observed = Observed()
     meta = {"name": "ppo", "namespace": NS, "uid": "u1"}
-    observed.job({"metadata": {**meta, "resourceVersion": "12", "managedFields": [{"manager": "x"}]}})
-    observed.job({"metadata": {**meta, "resourceVersion": "9"}})
-    assert observed.jobs[(NS, "ppo")]["metadata"]["resourceVersion"] == "12"
-    assert "managedFields" not in observed.jobs[(NS, "ppo")]["metadata"]
+    observed.job(JobView.parse({"metadata": {**meta, "resourceVersion": "12", "managedFields": [{"manager": "x"}]}}))
+    observed.job(JobView.parse({"metadata": {**meta, "resourceVersion": "9"}}))
+    assert observed.jobs[(NS, "ppo")].resource_version == 12
+    assert "managedFields" not in observed.jobs[(NS, "ppo")].body["metadata"]
     # a job recreated under the same name is a new object, whatever its resourceVersion
-    assert newer({"metadata": {**meta, "uid": "u2", "resourceVersion": "3"}}, observed.jobs[(NS, "ppo")])
+    assert JobView.parse({"metadata": {**meta, "uid": "u2", "resourceVersion": "3"}}).newer_than(
+        observed.jobs[(NS, "ppo")])
+    rayjob = {"metadata": {**meta, "resourceVersion": "12"}}
+    assert not newer({"metadata": {**meta, "resourceVersion": "9"}}, rayjob)
 
 
 def test_pods_are_kept_by_their_job_and_forgotten_when_deleted() -> None:
@@ -247,13 +264,13 @@ def test_pods_are_kept_by_their_job_and_forgotten_when_deleted() -> None:
     assert observed.pod({"metadata": {"name": "other", "namespace": NS}}) is None  # not a job's pod
 
 
-# -- the controller ---------------------------------------------------------------------------------------
+# -- the reconciler ---------------------------------------------------------------------------------------
 
 
 def test_a_new_job_costs_five_creates_and_one_status_write_its_rayjob_urgent() -> None:
     async def scenario() -> Loop:
         loop = Loop(MemoryKube())
-        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        loop.job_event(new_job(loop.kube), "ADDED")
         await loop.settle()
         return loop
 
@@ -279,8 +296,8 @@ def test_no_rayjob_before_its_service_account_exists() -> None:
     async def scenario() -> tuple[Loop, float | None]:
         loop = Loop(MemoryKube())
         loop.kube.refuse[("create", "ServiceAccount")] = api_error(500)
-        key = loop.controller.observed.job(new_job(loop.kube))
-        return loop, await loop.controller.process(key)
+        key = loop.observe_job(new_job(loop.kube))
+        return loop, await loop.reconciler.process(key)
 
     loop, retry = run(scenario())
     assert retry == RETRY_DELAY_S
@@ -292,7 +309,7 @@ def test_a_jobs_events_wait_for_its_status_write_slot() -> None:
     async def scenario() -> tuple[Loop, list[tuple[str, int]]]:
         loop = Loop(MemoryKube(), status_writes_per_s=2.0, spin_up_jobs=1)
         for i in range(30):  # clusters starting: reports go at 1 a second after a burst of two
-            loop.controller.observed.rayjob({"metadata": {"name": f"other-{i}", "namespace": NS, "uid": f"o{i}",
+            loop.reconciler.observed.rayjob({"metadata": {"name": f"other-{i}", "namespace": NS, "uid": f"o{i}",
                                                           "resourceVersion": "1",
                                                           "labels": {names.JOB_LABEL: f"other-{i}"}}})
         posted: list[tuple[str, int]] = []  # (Event reason, status writes of that job when it was posted)
@@ -301,9 +318,9 @@ def test_a_jobs_events_wait_for_its_status_write_slot() -> None:
             job = ref["metadata"]["name"]
             posted.append((reason, sum(1 for v, k, n in loop.kube.requests if v == "patch-status" and n == job)))
 
-        loop.controller.post_event = post
+        loop.reconciler.post_event = post
         for i in range(3):
-            loop.controller.job_event(new_job(loop.kube, f"job-{i}"), "ADDED")
+            loop.job_event(new_job(loop.kube, f"job-{i}"), "ADDED")
         await loop.settle()
         return loop, posted
 
@@ -315,11 +332,11 @@ def test_a_jobs_events_wait_for_its_status_write_slot() -> None:
 def test_events_after_the_job_was_applied_cost_no_requests() -> None:
     async def scenario() -> Loop:
         loop = Loop(MemoryKube())
-        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        loop.job_event(new_job(loop.kube), "ADDED")
         await loop.settle()
         loop.kube.requests.clear()
-        loop.controller.job_event(loop.stored_job(), "MODIFIED")  # its own status write coming back
-        loop.controller.rayjob_event(loop.rayjob(), "ADDED")
+        loop.job_event(loop.stored_job(), "MODIFIED")  # its own status write coming back
+        loop.reconciler.rayjob_event(loop.rayjob(), "ADDED")
         await loop.settle()
         return loop
 
@@ -332,7 +349,7 @@ def test_status_writes_of_many_jobs_are_rate_limited_and_merge_changes() -> None
         loop = Loop(MemoryKube(), status_writes_per_s=10.0)
         t0 = asyncio.get_running_loop().time()
         for i in range(20):
-            loop.controller.job_event(new_job(loop.kube, f"job-{i}"), "ADDED")
+            loop.job_event(new_job(loop.kube, f"job-{i}"), "ADDED")
         await loop.settle()
         return loop, asyncio.get_running_loop().time() - t0
 
@@ -348,25 +365,25 @@ def test_status_writes_slow_down_while_many_ray_clusters_start(starting: int, ru
     loop = Loop(MemoryKube(), status_writes_per_s=10.0, spin_up_jobs=10)
     for i in range(starting + running):
         deployment = "Initializing" if i < starting else "Running"
-        loop.controller.observed.rayjob({
+        loop.reconciler.observed.rayjob({
             "metadata": {"name": f"job-{i}", "namespace": NS, "uid": f"u{i}", "resourceVersion": "1",
                          "labels": {names.JOB_LABEL: f"job-{i}"}},
             "status": {"jobDeploymentStatus": deployment} if i % 2 or deployment == "Running" else {},
         })
-    assert loop.controller.status_write_rate() == pytest.approx(rate)
+    assert loop.reconciler.status_write_rate() == pytest.approx(rate)
 
 
 def test_first_statuses_too_wait_while_many_clusters_start_and_creates_do_not() -> None:
     async def scenario() -> tuple[Loop, float, float]:
         loop = Loop(MemoryKube(), status_writes_per_s=2.0, spin_up_jobs=1)
         for i in range(30):  # thirty clusters starting: status writes go at 1 a second
-            loop.controller.observed.rayjob({"metadata": {"name": f"other-{i}", "namespace": NS, "uid": f"o{i}",
+            loop.reconciler.observed.rayjob({"metadata": {"name": f"other-{i}", "namespace": NS, "uid": f"o{i}",
                                                           "resourceVersion": "1",
                                                           "labels": {names.JOB_LABEL: f"other-{i}"}}})
         clock = asyncio.get_running_loop().time
         t0 = clock()
         for i in range(4):
-            loop.controller.job_event(new_job(loop.kube, f"job-{i}"), "ADDED")
+            loop.job_event(new_job(loop.kube, f"job-{i}"), "ADDED")
         while loop.kube.verbs().count(("create", "RayJob")) < 4:
             await asyncio.sleep(0.005)
         created = clock() - t0
@@ -383,24 +400,24 @@ def test_first_statuses_too_wait_while_many_clusters_start_and_creates_do_not() 
 def test_a_burst_of_pod_events_costs_at_most_a_write_per_interval() -> None:
     async def scenario() -> tuple[Loop, int]:
         loop = Loop(MemoryKube(), status_min_interval=0.2)
-        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        loop.job_event(new_job(loop.kube), "ADDED")
         await loop.settle()
         loop.kube.requests.clear()
         runs = 0
-        process = loop.controller.process
+        process = loop.reconciler.process
 
         async def counted(key: tuple[str, str]) -> float | None:
             nonlocal runs
             runs += 1
             return await process(key)
 
-        loop.controller.queue._work = counted
+        loop.reconciler.queue._work = counted
         unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                          "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}
         for i in range(30):
             pod = {"metadata": {"name": f"ppo-worker-{i % 3}", "namespace": NS, "labels": {names.JOB_LABEL: "ppo"}},
                    "status": {"phase": "Pending", "conditions": [unschedulable]}}
-            loop.controller.pod_event(pod, "MODIFIED")
+            loop.reconciler.pod_event(pod, "MODIFIED")
             await asyncio.sleep(0.005)
         await loop.settle()
         return loop, runs
@@ -417,13 +434,13 @@ def test_runs_wait_until_every_source_of_children_has_been_listed() -> None:
     async def scenario() -> tuple[Loop, list[tuple[str, str]]]:
         loop = Loop(MemoryKube())
         listed = asyncio.Event()
-        loop.controller.follows(listed)
-        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        loop.reconciler.follows(listed)
+        loop.job_event(new_job(loop.kube), "ADDED")
         await asyncio.sleep(0.05)
         before = loop.kube.verbs()
         unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                          "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}
-        loop.controller.pod_event({"metadata": {"name": "ppo-worker-0", "namespace": NS,
+        loop.reconciler.pod_event({"metadata": {"name": "ppo-worker-0", "namespace": NS,
                                                 "labels": {names.JOB_LABEL: "ppo"}},
                                    "status": {"phase": "Pending", "conditions": [unschedulable]}}, "ADDED")
         listed.set()
@@ -439,13 +456,13 @@ def test_runs_wait_until_every_source_of_children_has_been_listed() -> None:
 def test_a_deleted_rayjob_is_recreated_after_reading_the_job_again() -> None:
     async def scenario() -> Loop:
         loop = Loop(MemoryKube())
-        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        loop.job_event(new_job(loop.kube), "ADDED")
         await loop.settle()
         lost = loop.rayjob()
         assert lost is not None
         del loop.kube.objects[("RayJob", NS, lost["metadata"]["name"])]
         loop.kube.requests.clear()
-        loop.controller.rayjob_event(lost, "DELETED")
+        loop.reconciler.rayjob_event(lost, "DELETED")
         await loop.settle()
         return loop
 
@@ -459,18 +476,18 @@ def test_a_deleted_rayjob_is_recreated_after_reading_the_job_again() -> None:
 def test_a_finished_jobs_rayjob_is_not_started_again() -> None:
     async def scenario() -> Loop:
         loop = Loop(MemoryKube())
-        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        loop.job_event(new_job(loop.kube), "ADDED")
         await loop.settle()
         job = loop.stored_job()
         for c in job["status"]["conditions"]:
             if c["type"] == "Succeeded":
                 c["status"] = "True"
         finished = loop.kube.put(job)
-        loop.controller.job_event(finished, "MODIFIED")
+        loop.job_event(finished, "MODIFIED")
         lost = loop.rayjob()
         assert lost is not None
         del loop.kube.objects[("RayJob", NS, lost["metadata"]["name"])]
-        loop.controller.rayjob_event(lost, "DELETED")
+        loop.reconciler.rayjob_event(lost, "DELETED")
         await loop.settle()
         return loop
 
@@ -481,10 +498,10 @@ def test_a_finished_jobs_rayjob_is_not_started_again() -> None:
 def test_an_unrenderable_spec_stalls_once_and_is_not_retried() -> None:
     async def scenario() -> Loop:
         loop = Loop(MemoryKube(), gpu_products={"H100-80GB": ("NVIDIA-H100-80GB-HBM3",)})  # no A100 here
-        loop.controller.job_event(new_job(loop.kube), "ADDED")
+        loop.job_event(new_job(loop.kube), "ADDED")
         await loop.settle()
         for _ in range(3):
-            loop.controller.job_event(loop.stored_job(), "MODIFIED")
+            loop.job_event(loop.stored_job(), "MODIFIED")
             await loop.settle()
         return loop
 
@@ -495,6 +512,24 @@ def test_an_unrenderable_spec_stalls_once_and_is_not_retried() -> None:
     assert [e[:2] for e in loop.events] == [("Warning", condition(job, "Stalled")["reason"])]
 
 
+def test_a_graph_that_cannot_train_stalls_on_spec_graph_before_any_child_exists() -> None:
+    async def scenario() -> Loop:
+        loop = Loop(MemoryKube())
+        graph = {"nodes": [{"name": "actor", "role": "actor_rollout", "resources": {"GPU": 1}, "pool": "actor"},
+                           {"name": "critic", "role": "critic", "resources": {"GPU": 1}, "pool": "critic"}],
+                 "edges": [{"src": "actor", "dst": "critic", "dataType": "rollout_batch"},
+                           {"src": "critic", "dst": "actor", "dataType": "updated_policy", "control": True}]}
+        loop.job_event(new_job(loop.kube, graph=graph), "ADDED")  # PPO without a reward node
+        await loop.settle()
+        return loop
+
+    loop = run(scenario())
+    assert loop.kube.verbs() == [("patch-status", "RLTrainingJob")]  # no create of any child
+    stalled = condition(loop.stored_job(), "Stalled")
+    assert (stalled["status"], stalled["reason"]) == ("True", "InvalidGraph")
+    assert stalled["message"].startswith("spec.graph: ") and "ppo needs a node with role reward" in stalled["message"]
+
+
 def test_a_terminating_namespace_is_left_alone() -> None:
     async def scenario() -> tuple[Loop, float | None]:
         loop = Loop(MemoryKube())
@@ -502,8 +537,8 @@ def test_a_terminating_namespace_is_left_alone() -> None:
                                       "details": {"causes": [{"reason": "NamespaceTerminating"}]}})
         for kind in ("ConfigMap", "ServiceAccount", "Role", "RoleBinding", "RayJob"):
             loop.kube.refuse[("create", kind)] = terminating
-        key = loop.controller.observed.job(new_job(loop.kube))
-        return loop, await loop.controller.process(key)
+        key = loop.observe_job(new_job(loop.kube))
+        return loop, await loop.reconciler.process(key)
 
     loop, retry = run(scenario())
     assert retry is None
@@ -514,8 +549,8 @@ def test_an_api_error_retries_later() -> None:
     async def scenario() -> float | None:
         loop = Loop(MemoryKube())
         loop.kube.refuse[("create", "RayJob")] = api_error(500)
-        key = loop.controller.observed.job(new_job(loop.kube))
-        return await loop.controller.process(key)
+        key = loop.observe_job(new_job(loop.kube))
+        return await loop.reconciler.process(key)
 
     assert run(scenario()) == RETRY_DELAY_S
 
@@ -526,7 +561,7 @@ def test_a_status_conflict_is_recomputed_from_the_job_read_again() -> None:
         stale = new_job(loop.kube)
         # someone else (the runtime's progress reporter) writes after the event was seen
         loop.kube.put({**stale, "status": {"progress": {"step": 3}}})
-        loop.controller.job_event(stale, "ADDED")
+        loop.job_event(stale, "ADDED")
         await loop.settle()
         return loop
 
@@ -544,12 +579,42 @@ def test_a_deleted_or_deleting_job_is_forgotten(event_type: str | None) -> None:
         job = new_job(loop.kube)
         if event_type is None:
             job["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-        loop.controller.job_event(job, event_type)
+        loop.job_event(job, event_type)
         await loop.settle()
         return loop
 
     loop = run(scenario())
     assert loop.kube.requests == []
-    assert loop.controller.observed.jobs.get((NS, "ppo"), {}).get("metadata", {}).get("deletionTimestamp") or \
-        (NS, "ppo") not in loop.controller.observed.jobs
+    kept = loop.reconciler.observed.jobs.get((NS, "ppo"))
+    assert kept is None or kept.deleting
 
+
+
+# -- Events --------------------------------------------------------------------------------------------------
+
+
+def test_an_event_names_the_job_and_normal_ones_follow_the_event_level() -> None:
+    ref = {"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLTrainingJob",
+           "metadata": {"name": "ppo", "namespace": NS, "uid": "u1"}}
+    body = event_body(ref, "Warning", "InvalidGraph", "x" * 5000, "2026-01-01T00:00:00Z")
+    assert body["involvedObject"] == {"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLTrainingJob",
+                                      "name": "ppo", "namespace": NS, "uid": "u1"}
+    assert body["metadata"] == {"namespace": NS, "generateName": "ppo."} and len(body["message"]) == 1024
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.created: list[dict] = []
+
+        async def create(self, obj: dict) -> dict:
+            self.created.append(obj)
+            return obj
+
+    async def scenario() -> list[dict]:
+        kube = Recorder()
+        poster = EventPoster(kube, logging.WARNING)  # type: ignore[arg-type]
+        poster(ref, "Normal", "Created", "created RayJob/ppo")
+        poster(ref, "Warning", "InvalidGraph", "spec.graph: ...")
+        await poster.close()
+        return kube.created
+
+    assert [(e["type"], e["reason"]) for e in run(scenario())] == [("Warning", "InvalidGraph")]

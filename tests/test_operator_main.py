@@ -14,7 +14,7 @@ def test_tune_gc_freezes_what_the_imports_made_and_widens_the_young_generation()
     done = python(
         "import gc\n"
         "from hybridflow_operator.__main__ import YOUNG_GENERATION, tune_gc\n"
-        "import hybridflow_operator.handlers\n"
+        "import hybridflow_operator.lifecycle\n"
         "before = gc.get_threshold()\n"
         "tune_gc()\n"
         "after = gc.get_threshold()\n"

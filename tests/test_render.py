@@ -10,20 +10,15 @@ import pytest
 import yaml
 
 from hybridflow.api import load_job
-from hybridflow_operator import names
-from hybridflow_operator.errors import RenderError
-from hybridflow_operator.patches import layout_changed, merge_patch, ownership_problem, rayjob_patch, stale_owner
-from hybridflow_operator.render import ENTRYPOINT, render, render_children, render_manifests
-from hybridflow_operator.settings import (
-    DEFAULT_GPU_PRODUCTS,
-    OperatorSettings,
-    SettingsError,
-    from_env,
-    parse_gpu_products,
-)
+from hybridflow.k8s import contract, names
+from hybridflow.k8s.errors import RenderError
+from hybridflow.k8s.patches import layout_changed, merge_patch, ownership_problem, rayjob_patch, stale_owner
+from hybridflow.k8s.render import ENTRYPOINT, render, render_children, render_manifests
+from hybridflow.k8s.settings import DEFAULT_GPU_PRODUCTS, RenderSettings, SettingsError, parse_gpu_products
+from hybridflow_operator.settings import from_env
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = OperatorSettings()
+SETTINGS = RenderSettings()
 UID = "0b6f1c9e-4a43-4f59-9d0e-6f1f3f0f2a11"
 
 
@@ -42,7 +37,7 @@ def by_kind(children: list[dict]) -> dict[str, dict]:
     return {c["kind"]: c for c in children}
 
 
-def rayjob_of(job: dict, settings: OperatorSettings = SETTINGS) -> dict:
+def rayjob_of(job: dict, settings: RenderSettings = SETTINGS) -> dict:
     return by_kind(render_children(job, settings))["RayJob"]
 
 
@@ -308,19 +303,19 @@ def test_spec_tolerations_and_node_selector_reach_every_pod() -> None:
 def test_gpu_product_map_comes_from_the_settings() -> None:
     job = example()
     job["spec"]["cluster"]["gpuType"] = "MI300X"
-    settings = OperatorSettings(gpu_products={"MI300X": ("AMD-Instinct-MI300X",)})
+    settings = RenderSettings(gpu_products={"MI300X": ("AMD-Instinct-MI300X",)})
     term = groups_of(rayjob_of(job, settings))["actor"]["template"]["spec"]["affinity"]["nodeAffinity"]
     values = term["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"][0]
     assert values["values"] == ["AMD-Instinct-MI300X"]
 
 
 def test_image_from_spec_else_from_the_settings() -> None:
-    def image(job: dict, settings: OperatorSettings) -> str:
+    def image(job: dict, settings: RenderSettings) -> str:
         head = rayjob_of(job, settings)["spec"]["rayClusterSpec"]["headGroupSpec"]
         return head["template"]["spec"]["containers"][0]["image"]
 
     assert image(example(), SETTINGS) == "docker.io/hybridflow/runtime:0.1.0"
-    assert image(example(), OperatorSettings(runtime_image="registry.local/rt:1")) == "registry.local/rt:1"
+    assert image(example(), RenderSettings(runtime_image="registry.local/rt:1")) == "registry.local/rt:1"
     job = example()
     job["spec"]["cluster"]["image"] = "my/image:2"
     assert image(job, SETTINGS) == "my/image:2"
@@ -394,7 +389,7 @@ def test_custom_graph_without_groups_derives_them_from_pool_demand() -> None:
 # -- errors the CRD cannot catch ---------------------------------------------------------------------------
 
 
-def render_error(job: dict, settings: OperatorSettings = SETTINGS) -> RenderError:
+def render_error(job: dict, settings: RenderSettings = SETTINGS) -> RenderError:
     with pytest.raises(RenderError) as info:
         render_children(job, settings)
     return info.value
@@ -461,13 +456,23 @@ def test_replicas_outside_min_and_max() -> None:
     assert render_error(job).reason == "InvalidReplicas"
 
 
-def test_too_many_groups_for_kueue() -> None:
+def ppo_without_reward() -> dict:
+    """A PPO job whose graph passes the structural rules but has no reward node: it cannot train."""
     job = example()
-    nodes = [{"name": f"r{i}", "role": "reward", "pool": f"p{i}", "resources": {"CPU": 1}} for i in range(7)]
-    job["spec"]["graph"] = {"nodes": [{"name": "actor", "role": "actor_rollout", "resources": {"GPU": 1}}, *nodes]}
-    job["spec"]["cluster"]["queueName"] = "q"
-    del job["spec"]["cluster"]["workerGroups"]
-    assert render_error(job).reason == "TooManyWorkerGroups"
+    job["spec"]["graph"] = {
+        "nodes": [{"name": "actor", "role": "actor_rollout", "resources": {"GPU": 1}, "pool": "actor"},
+                  {"name": "critic", "role": "critic", "resources": {"GPU": 1}, "pool": "critic"}],
+        "edges": [{"src": "actor", "dst": "critic", "dataType": "rollout_batch"},
+                  {"src": "critic", "dst": "actor", "dataType": "updated_policy", "control": True}],
+    }
+    return job
+
+
+def test_a_graph_that_cannot_train_is_a_render_error_on_spec_graph() -> None:
+    error = render_error(ppo_without_reward())
+    assert (error.field, error.reason) == ("spec.graph", "InvalidGraph")
+    assert "ppo needs a node with role reward" in error.message
+    assert not error.message.startswith("spec.graph: ")  # the field is said once, by the condition
 
 
 def test_spec_the_api_models_reject_is_a_render_error() -> None:
@@ -550,9 +555,9 @@ def test_ownership_of_existing_children() -> None:
 def test_settings_defaults() -> None:
     s = from_env({})
     assert s.clusterwide and s.watch_namespaces == ()
-    assert s.runtime_image == "docker.io/hybridflow/runtime:0.1.0"
-    assert s.gpu_products["A100-80GB"] == ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe")
-    assert {"A100-40GB", "H100-80GB", "H200-141GB", "L40S", "A10G"} <= set(s.gpu_products)
+    assert s.render.runtime_image == "docker.io/hybridflow/runtime:0.1.0"
+    assert s.render.gpu_products["A100-80GB"] == ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe")
+    assert {"A100-40GB", "H100-80GB", "H200-141GB", "L40S", "A10G"} <= set(s.render.gpu_products)
 
 
 def test_settings_from_env() -> None:
@@ -569,20 +574,20 @@ def test_settings_from_env() -> None:
     })
     assert s.watch_namespaces == ("team-a", "team-b") and not s.clusterwide
     assert s.log_level == "DEBUG"
-    assert dict(s.gpu_products) == {"A100-80GB": ("NVIDIA-A100-SXM4-80GB",), "L4": ("NVIDIA-L4",)}
-    assert s.runtime_image == "registry.local/rt:2"
+    assert dict(s.render.gpu_products) == {"A100-80GB": ("NVIDIA-A100-SXM4-80GB",), "L4": ("NVIDIA-L4",)}
+    assert s.render.runtime_image == "registry.local/rt:2"
     assert s.status_interval == 60.0
     assert (s.status_min_interval, s.status_writes_per_s, s.max_requests, s.spin_up_jobs) == (0.5, 50.0, 16, 25)
 
 
-def test_settings_classmethod_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_render_settings_read_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYBRIDFLOW_RUNTIME_IMAGE", "registry.local/rt:3")
-    assert OperatorSettings.from_env().runtime_image == "registry.local/rt:3"
+    assert RenderSettings.from_env().runtime_image == "registry.local/rt:3"
 
 
 def test_flags_override_env() -> None:
-    s = from_env({"HYBRIDFLOW_RUNTIME_IMAGE": "a"}, runtime_image="b", log_level=None)
-    assert s.runtime_image == "b" and s.log_level == "INFO"
+    s = from_env({"HYBRIDFLOW_LOG_LEVEL": "ERROR"}, log_level="WARNING", event_level=None)
+    assert s.log_level == "WARNING" and s.event_level == "INFO"
 
 
 def test_gpu_products_accept_json() -> None:
@@ -606,3 +611,14 @@ def test_bad_settings_are_refused(env: dict[str, str]) -> None:
 def test_default_gpu_map_is_read_only() -> None:
     with pytest.raises(TypeError):
         DEFAULT_GPU_PRODUCTS["X"] = ("Y",)  # type: ignore[index]
+
+
+def test_every_runtime_variable_set_in_a_pod_is_one_the_runtime_reads() -> None:
+    rayjob = rayjob_of(live(example()))
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+    for template in templates:
+        env = {e["name"]: e["value"] for e in template["spec"]["containers"][0]["env"]}
+        ours = {k for k in env if k.startswith("HYBRIDFLOW_")}
+        assert ours == {contract.ENV_JOB_NAME, contract.ENV_JOB_NAMESPACE, contract.ENV_CONFIG}
+        assert env[contract.ENV_CONFIG] == contract.CONFIG_PATH

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from hybridflow_operator.slots import PrioritySlots
+from hybridflow_operator.machinery.slots import PrioritySlots
 
 T = TypeVar("T")
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from hybridflow.api import CONDITION_TYPES, Condition, RLTrainingJobStatus
-from hybridflow_operator.names import GENERATION_ANNOTATION
+from hybridflow.k8s.names import GENERATION_ANNOTATION
 from hybridflow_operator.status import compute_status, status_changed, transitions, unschedulable
 
 T0 = "2025-01-01T00:00:00Z"

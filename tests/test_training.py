@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from hybridflow.api import parse_job
-from hybridflow.controller import init_ray, run_training
+from hybridflow.driver import init_ray, run_training
 from hybridflow.trainer import Trainer
 
 pytestmark = pytest.mark.slow

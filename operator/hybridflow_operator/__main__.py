@@ -1,7 +1,7 @@
 """`python -m hybridflow_operator`: run the operator (kopf) with settings from the environment and flags.
 
-Flags override the HYBRIDFLOW_* environment variables of the same meaning; they are written back
-into the environment before the handlers are imported, so both read one source.
+Flags override the HYBRIDFLOW_* environment variables of the same meaning: both are read by one
+parser (settings.from_env), and the settings reach the handlers through kopf's memo.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import kopf
 import uvloop
 
+from hybridflow_operator import lifecycle
 from hybridflow_operator.settings import SettingsError, from_env
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
@@ -62,24 +63,19 @@ def tune_gc() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    for attr, env in FLAG_ENV.items():
-        value = getattr(args, attr)
-        if value is not None:
-            os.environ[env] = value
+    flags = {env: getattr(args, attr) for attr, env in FLAG_ENV.items() if getattr(args, attr) is not None}
     try:
-        settings = from_env(os.environ)
+        settings = from_env({**os.environ, **flags})
     except SettingsError as e:
         print(f"hybridflow-operator: {e}", file=sys.stderr)
         return 2
     kopf.configure(debug=settings.log_level == "DEBUG")
     logging.getLogger().setLevel(settings.log_level_number)
-    if settings.log_level != "DEBUG":  # kopf's line per handled watch event: thousands a minute at scale
-        logging.getLogger("kopf.objects").setLevel(max(logging.WARNING, settings.log_level_number))
-    import hybridflow_operator.handlers  # noqa: F401  (registers the handlers with kopf)
-
     tune_gc()
 
     operator = kopf.operator(
+        registry=lifecycle.registry(),
+        memo=kopf.Memo(settings=settings),
         clusterwide=settings.clusterwide,
         namespaces=settings.watch_namespaces,
         liveness_endpoint=args.liveness or None,

@@ -10,7 +10,7 @@ on its way. status.progress belongs to the runtime and is never part of the patc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,7 @@ def _false(reason: str, message: str = "") -> Cond:
 def compute_status(
     job: Mapping[str, Any],
     rayjob: Mapping[str, Any] | None,
-    pods: list[Mapping[str, Any]] | None,
+    pods: Sequence[Mapping[str, Any]] | None,
     now: str,
     render_error: str | None,
     *,
@@ -117,7 +117,7 @@ def transitions(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[tup
     return out
 
 
-def unschedulable(pods: list[Mapping[str, Any]]) -> list[str]:
+def unschedulable(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     """`pod: scheduler message` for each Pending pod the scheduler could not place, by pod name."""
     out = []
     for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("name", "")):
@@ -133,7 +133,7 @@ def unschedulable(pods: list[Mapping[str, Any]]) -> list[str]:
 # -- assessment -------------------------------------------------------------------------------------
 
 
-def _assess(job: Mapping[str, Any], rayjob: Mapping[str, Any] | None, pods: list[Mapping[str, Any]],
+def _assess(job: Mapping[str, Any], rayjob: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]],
             render_error: str | None, error_reason: str) -> tuple[dict[str, Cond], str]:
     """One Cond per condition type, and the phase."""
     suspend = bool(((job.get("spec") or {}).get("runPolicy") or {}).get("suspend"))
@@ -156,7 +156,7 @@ def _assess(job: Mapping[str, Any], rayjob: Mapping[str, Any] | None, pods: list
     return conds, phase
 
 
-def _assess_rayjob(conds: dict[str, Cond], rayjob: Mapping[str, Any], pods: list[Mapping[str, Any]],
+def _assess_rayjob(conds: dict[str, Cond], rayjob: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
                    suspend: bool) -> str:
     status = rayjob.get("status") or {}
     deployment = status.get("jobDeploymentStatus") or ""

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from hybridflow.api import RLTrainingJob, SpecError, load_job
+from hybridflow.k8s import contract
 
 
 def _fail(message: str) -> int:
@@ -37,13 +39,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _graph_problems(job: RLTrainingJob) -> list[str]:
-    from hybridflow.graph import GraphError, graph_for
+    from hybridflow.plan import graph_problems
 
-    try:
-        graph_for(job.spec, "GPU")
-    except GraphError as e:
-        return [f"spec.graph: {p}" for p in e.problems]
-    return []
+    return graph_problems(job.spec, "GPU")
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -52,12 +50,13 @@ def cmd_render(args: argparse.Namespace) -> int:
     except SpecError as e:
         print(e.render(), file=sys.stderr)
         return 1
-    from hybridflow_operator.render import RenderError, render_manifests
-    from hybridflow_operator.settings import OperatorSettings
+    from hybridflow.k8s.errors import RenderError
+    from hybridflow.k8s.render import render_manifests
+    from hybridflow.k8s.settings import RenderSettings, SettingsError
 
     try:
-        sys.stdout.write(render_manifests(job, OperatorSettings.from_env()))
-    except RenderError as e:
+        sys.stdout.write(render_manifests(job, RenderSettings.from_env()))
+    except (RenderError, SettingsError) as e:
         return _fail(str(e))
     return 0
 
@@ -70,7 +69,7 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
         return 1
     if getattr(args, "steps", None):
         job.spec.trainer.total_steps = args.steps
-    from hybridflow.controller import TrainingFailed, init_ray, run_training
+    from hybridflow.driver import TrainingFailed, init_ray, run_training
     from hybridflow.preflight import preflight
 
     init_ray(local, getattr(args, "num_cpus", None))
@@ -91,7 +90,7 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
         return _fail(str(e))
     except Exception as e:  # placement and other plan errors carry their own message
         bar.close()
-        from hybridflow.controller import _cause
+        from hybridflow.driver import _cause
 
         return _fail(_cause(e))
     bar.close()
@@ -143,6 +142,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if not args.config:
+        return _fail(f"no job to train: pass --config FILE or set {contract.ENV_CONFIG} "
+                     "(the operator sets it in every Ray pod)")
     return _train(args, args.config, local=args.local)
 
 
@@ -158,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(fn=cmd_run)
     train = sub.add_parser("train", help="the cluster entrypoint: join the running Ray cluster")
-    train.add_argument("--config", required=True)
+    train.add_argument("--config", default=os.environ.get(contract.ENV_CONFIG),
+                       help=f"the job file (default: ${contract.ENV_CONFIG})")
     train.add_argument("--metrics-out")
     train.add_argument("--local", action="store_true", help="start Ray in-process instead of joining one")
     train.add_argument("--quiet", action="store_true")

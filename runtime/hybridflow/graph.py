@@ -279,20 +279,6 @@ class DataflowGraph:
         )
 
 
-def pin_to_pools(graph: DataflowGraph, cluster_resources: Mapping[str, float]) -> DataflowGraph:
-    """Ask each node for its pool's Ray resource when the cluster advertises it.
-
-    KubeRay worker groups rendered by the operator advertise `pool_<group>` (GPUs per pod, or CPUs for
-    a group without GPUs); requesting the same share pins a node's instances to its own group.
-    """
-    for n in graph.nodes:
-        key = f"pool_{n.pool}"
-        share = n.resources.get("GPU") or n.resources.get("CPU", 0.0)
-        if key in cluster_resources and share > 0:
-            n.resources[key] = share
-    return graph
-
-
 def devices_needed(per_instance: float, instances: int, resource: str = "GPU") -> float:
     """GPUs are indivisible across bundles: ceil(n / floor(1/b)) for b < 1, else b*n."""
     if resource != "GPU" or per_instance >= 1 or per_instance <= 0:
@@ -333,9 +319,15 @@ def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = 
     return g
 
 
+def spec_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = "GPU",
+               parallelism: int = 1, critic_parallelism: int | None = None) -> DataflowGraph:
+    """spec.graph when given, else the built-in graph; not validated."""
+    if spec.graph is not None:
+        return DataflowGraph.from_spec(spec.graph, name=f"{spec.algorithm.name}-custom")
+    return builtin_graph(spec, accelerator, parallelism, critic_parallelism)
+
+
 def graph_for(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = "GPU",
               parallelism: int = 1, critic_parallelism: int | None = None) -> DataflowGraph:
-    """spec.graph when given, else the built-in graph; always validated."""
-    if spec.graph is not None:
-        return DataflowGraph.from_spec(spec.graph, name=f"{spec.algorithm.name}-custom").validate()
-    return builtin_graph(spec, accelerator, parallelism, critic_parallelism).validate()
+    """spec_graph, structurally validated; hybridflow.plan.trainable_graph also applies the training rules."""
+    return spec_graph(spec, accelerator, parallelism, critic_parallelism).validate()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.data.prompts import DataError, load_rows
-from hybridflow.graph import GraphError, graph_for
+from hybridflow.plan import graph_problems
 from hybridflow.workers.modeling import ModelPathError, check_model_dir
 from hybridflow.workers.reward import RewardFunctionError, resolve_reward_function
 
@@ -34,10 +34,7 @@ def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
         load_rows(spec.data.train, spec.data.prompt_key, spec.data.answer_key, spec.trainer.seed)
     except DataError as e:
         problems.append(str(e))
-    try:
-        graph_for(spec, "GPU" if accelerator == "GPU" else "CPU")
-    except GraphError as e:
-        problems += [f"spec.graph: {p}" for p in e.problems]
+    problems += graph_problems(spec, "GPU" if accelerator == "GPU" else "CPU")
     if spec.rollout.engine == "vllm" and accelerator != "GPU":
         problems.append("spec.rollout.engine: 'vllm' needs a GPU; use 'torch' on CPU-only machines")
     return problems

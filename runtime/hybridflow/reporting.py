@@ -6,11 +6,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from hybridflow.api.spec import API_GROUP, API_VERSION, PLURAL
 from hybridflow.api.status import Progress
+from hybridflow.k8s import contract
 
 log = logging.getLogger(__name__)
 Patcher = Callable[[str, str, dict[str, Any]], None]
@@ -22,7 +23,7 @@ def progress_patch(step: int, total_steps: int, metrics: dict[str, Any], last_ch
     progress = Progress(
         step=step, total_steps=total_steps, reward_mean=metrics.get("reward_mean"), kl=metrics.get("kl"),
         tokens_per_second=metrics.get("tokens_per_s"), last_checkpoint=last_checkpoint,
-        updated_at=(now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        updated_at=contract.timestamp(now),
     )
     return {"status": {"progress": progress.model_dump(by_alias=True, exclude_none=True)}}
 
@@ -54,11 +55,11 @@ class ProgressReporter:
     @classmethod
     def from_env(cls) -> ProgressReporter | None:
         """Active when HYBRIDFLOW_JOB_NAME is set (the operator sets it in every pod)."""
-        name = os.environ.get("HYBRIDFLOW_JOB_NAME")
+        name = os.environ.get(contract.ENV_JOB_NAME)
         if not name:
             return None
-        namespace = os.environ.get("HYBRIDFLOW_JOB_NAMESPACE", "default")
-        interval = float(os.environ.get("HYBRIDFLOW_PROGRESS_INTERVAL", "5"))
+        namespace = os.environ.get(contract.ENV_JOB_NAMESPACE, "default")
+        interval = float(os.environ.get(contract.ENV_PROGRESS_INTERVAL, "5"))
         try:
             return cls(name, namespace, kubernetes_patcher(), interval)
         except Exception as e:  # no credentials: train anyway

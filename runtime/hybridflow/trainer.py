@@ -1,6 +1,6 @@
 """The single controller: walks the dataflow graph each step (generate, score, evaluate, update, sync).
 
-It runs inside a Ray actor (see controller.py); the heavy work runs in WorkerHost actors placed by the
+It runs inside a Ray actor (see driver.py); the heavy work runs in WorkerHost actors placed by the
 HybridScheduler. Only small batches pass through here: the advantage math is the controller's own.
 """
 
@@ -10,7 +10,6 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,13 @@ import torch
 
 from hybridflow import algos, checkpoint
 from hybridflow.advantages import batch_stats, compute_advantages
-from hybridflow.api.spec import RLTrainingJob, RLTrainingJobSpec
+from hybridflow.api.spec import RLTrainingJob
 from hybridflow.data.prompts import PromptSampler, load_rows
-from hybridflow.graph import DataflowGraph, Node, graph_for, pin_to_pools
 from hybridflow.metrics import MetricsLog, plot_metrics
+from hybridflow.plan import step_plan, trainable_graph
 from hybridflow.reporting import ProgressReporter
 from hybridflow.scheduler import HybridScheduler
+from hybridflow.scheduler.placement import pin_to_pools
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.host import WorkerHost
 
@@ -32,50 +32,6 @@ log = logging.getLogger(__name__)
 
 # errors that mean a worker process died (Ray restarts it through max_restarts)
 WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-
-# role of a consumer node -> the step it runs on a rollout batch
-ROLE_STEP = {"reward": "reward", "reference": "reference"}
-
-
-@dataclass
-class Plan:
-    """What the graph says about one step: where each step of the dataflow runs."""
-
-    actor: Node
-    colocated_steps: list[str]
-    remote_steps: list[tuple[str, Node]]  # streamed chunk by chunk through the object store
-    critic: Node | None
-
-
-def plan_steps(graph: DataflowGraph, spec: RLTrainingJobSpec) -> Plan:
-    """Read the graph: which consumers of the actor share its process, which receive batches remotely."""
-    actor = graph.first("actor_rollout")
-    if actor is None:
-        raise ValueError("spec.graph: the graph needs a node with role actor_rollout")
-    if graph.first("reward") is None:
-        raise ValueError("spec.graph: the graph needs a node with role reward")
-    critic = graph.first("critic")
-    if spec.algorithm.name == "ppo" and critic is None:
-        raise ValueError("spec.graph: ppo needs a node with role critic (or use algorithm.name grpo)")
-    group_of = {n.name: i for i, g in enumerate(graph.colocation_groups()) for n in g.nodes}
-    colocated, remote = [], []
-    for node in graph.topo_order():
-        step = ROLE_STEP.get(node.role)
-        if step is None or node.role == "critic":
-            continue  # values run after rollout on the critic's data-parallel ranks
-        if node.role == "reference" and not needs_reference(spec):
-            continue
-        if group_of[node.name] == group_of[actor.name]:
-            colocated.append(step)
-        else:
-            remote.append((step, node))
-    colocated.append("old_log_probs")
-    return Plan(actor, colocated, remote, critic if spec.algorithm.name == "ppo" else None)
-
-
-def needs_reference(spec: RLTrainingJobSpec) -> bool:
-    return spec.model.reference.enabled and spec.algorithm.kl_penalty.coef > 0
-
 
 class Trainer:
     """Owns the scheduler, the data position, the KL controller and the checkpoints."""
@@ -87,9 +43,9 @@ class Trainer:
         if accelerator == "auto":
             accelerator = "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
         self.accelerator = accelerator
-        self.graph = pin_to_pools(graph_for(self.spec, accelerator, parallelism, critic_parallelism),
+        self.graph = pin_to_pools(trainable_graph(self.spec, accelerator, parallelism, critic_parallelism),
                                   ray.cluster_resources())
-        self.plan = plan_steps(self.graph, self.spec)
+        self.plan = step_plan(self.graph, self.spec)
         t = self.spec.trainer
         self.scheduler = HybridScheduler(self.graph, self.spec.scheduling, max_restarts=t.worker_max_restarts,
                                          name_prefix=self.job.metadata.name)
@@ -179,30 +135,28 @@ class Trainer:
         actor_name = self.plan.actor.name
         hosts = self.scheduler.hosts(actor_name)
         chunks = self._chunks(len(rows))
-        gen_refs = [hosts[i % len(hosts)].rollout.remote(rows[a:b], gids[a:b], self.plan.colocated_steps)
+        gen_refs = [hosts[i % len(hosts)].rollout.remote(rows[a:b], gids[a:b], list(self.plan.colocated))
                     for i, (a, b) in enumerate(chunks)]
         chunk_of = {ref: i for i, ref in enumerate(gen_refs)}
-        sent: dict[str, list[int]] = {f"{actor_name}->{node.name}": [] for _, node in self.plan.remote_steps}
+        sent: dict[str, list[int]] = {r.edge: [] for r in self.plan.remote}
         waiting, turn = list(gen_refs), 0
-        while waiting and self.plan.remote_steps:
+        while waiting and self.plan.remote:
             done, waiting = ray.wait(waiting, num_returns=1)
-            for step, node in self.plan.remote_steps:
-                consumers = self.scheduler.hosts(node.name)
-                key = f"{actor_name}->{node.name}"
-                self.scheduler.channel(key).put(consumers[turn % len(consumers)].run.remote(step, done[0]))
-                sent[key].append(chunk_of[done[0]])
+            for r in self.plan.remote:
+                consumers = self.scheduler.hosts(r.node.name)
+                self.scheduler.channel(r.edge).put(consumers[turn % len(consumers)].run.remote(r.step.name, done[0]))
+                sent[r.edge].append(chunk_of[done[0]])
                 turn += 1
         parts = ray.get(gen_refs)
         self._observe()
         busy: dict[str, float] = {}
         for i, p in enumerate(parts):
             _add_busy(busy, f"{actor_name}_{i % len(hosts)}", sum(p.timings.values()))
-        for _, node in self.plan.remote_steps:
-            key = f"{actor_name}->{node.name}"
-            for i, out in zip(sent[key], self.scheduler.channel(key).drain(), strict=True):
+        for r in self.plan.remote:
+            for i, out in zip(sent[r.edge], self.scheduler.channel(r.edge).drain(), strict=True):
                 parts[i].tensors.update(out["tensors"])
                 parts[i].add_timing(out["step"], out["seconds"])
-                _add_busy(busy, node.name, out["seconds"])
+                _add_busy(busy, r.node.name, out["seconds"])
         batch = RolloutBatch.concat(parts)
         phase = {f"timing/{k}": v for k, v in batch.timings.items()}
         phase["compute/rollout"] = max(busy.values())
@@ -250,16 +204,14 @@ class Trainer:
 
     def _fused(self) -> bool:
         """True when the whole step can run inside the single actor process (see WorkerHost.train_step)."""
-        return (self.plan.critic is None and not self.plan.remote_steps
-                and len(self.scheduler.hosts(self.plan.actor.name)) == 1
-                and self.spec.scheduling.micro_batch_size is None)
+        return self.plan.fused and self.plan.critic is None
 
     def train_step(self, step: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         rows, gids = self._prompts()
         if self._fused():
             host = self.scheduler.hosts(self.plan.actor.name)[0]
-            out = ray.get(host.train_step.remote(rows, gids, self.plan.colocated_steps, self.kl_ctl.value))
+            out = ray.get(host.train_step.remote(rows, gids, list(self.plan.colocated), self.kl_ctl.value))
             elapsed = time.perf_counter() - t0
             upd, adv_metrics, stats = out["update"], out["advantages"], out["stats"]
             rollout_s = sum(out["timings"].values())

@@ -32,8 +32,8 @@ from hybridflow.scheduler.backpressure import BackpressureDecision, Backpressure
 from hybridflow.scheduler.edges import EdgeChannel
 from hybridflow.scheduler.placement import (
     DP_ROLES,
-    GroupPlan,
     PlacementError,
+    PlacementPlan,
     actor_options,
     capacity_error,
     describe_missing,
@@ -84,7 +84,7 @@ class _Slot:
 
 @dataclass
 class _Group:
-    plan: GroupPlan
+    plan: PlacementPlan
     slots: list[_Slot]
     active: int
     pgs: list[PlacementGroup]
@@ -156,7 +156,7 @@ class HybridScheduler:
             self.shutdown()
             raise
 
-    def _reserve(self, plans: list[GroupPlan], totals: dict[str, float]) -> None:
+    def _reserve(self, plans: list[PlacementPlan], totals: dict[str, float]) -> None:
         """Create every placement group (unique names: a retried driver never collides) and wait, bounded."""
         pgs: list[PlacementGroup] = []
         try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.graph import ColocationGroup, DataflowGraph, GraphError
+from hybridflow.k8s.contract import pool_resource
 
 EMPTY_BUNDLE_CPU = 0.01
 """Ray rejects all-zero bundles, so a group that asks for nothing reserves this sliver of CPU."""
@@ -89,6 +90,20 @@ def per_node_max(node_totals: Sequence[Mapping[str, float]]) -> dict[str, float]
     return out
 
 
+def pin_to_pools(graph: DataflowGraph, cluster_resources: Mapping[str, float]) -> DataflowGraph:
+    """Ask each node for its pool's Ray resource when the cluster advertises it.
+
+    KubeRay worker groups rendered by the operator advertise pool_resource(group) (GPUs per pod, or CPUs
+    for a group without GPUs); requesting the same share pins a node's instances to its own group.
+    """
+    for n in graph.nodes:
+        key = pool_resource(n.pool)
+        share = n.resources.get("GPU") or n.resources.get("CPU", 0.0)
+        if key in cluster_resources and share > 0:
+            n.resources[key] = share
+    return graph
+
+
 # -- the plan ------------------------------------------------------------------------------------
 
 
@@ -125,7 +140,7 @@ def actor_options(bundle: Mapping[str, float]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class GroupPlan:
+class PlacementPlan:
     """How one co-location group is placed: `parallelism` bundles of `bundle` in one placement group."""
 
     name: str
@@ -189,30 +204,30 @@ def _simulate_stages(bundle: Mapping[str, float], n: int,
 
 
 def plan_placement(graph: DataflowGraph, node_totals: Sequence[Mapping[str, float]],
-                   dp_roles: Collection[str] = DP_ROLES) -> list[GroupPlan]:
-    """One GroupPlan per co-location group, staged (whole-GPU, parallelism > 1) groups first.
+                   dp_roles: Collection[str] = DP_ROLES) -> list[PlacementPlan]:
+    """One PlacementPlan per co-location group, staged (whole-GPU, parallelism > 1) groups first.
 
     Staged groups go first, largest GPU demand first, so the simulation of where they land matches the
     order the placement groups are created in; every other group is PACKed.
     """
     nodes = [real_resources(n) for n in node_totals]
-    plans: list[GroupPlan] = []
-    rest: list[GroupPlan] = []
+    plans: list[PlacementPlan] = []
+    rest: list[PlacementPlan] = []
     groups = graph.colocation_groups()
     staged = [g for g in groups if whole_gpus(bundle_for(g)) and g.parallelism > 1]
     staged.sort(key=lambda g: -bundle_for(g)["GPU"] * g.parallelism)
     for g in staged:
         bundle = bundle_for(g)
         strategy, stages = _simulate_stages(bundle, g.parallelism, nodes)
-        plans.append(GroupPlan(group_name(g), g, bundle, strategy, is_data_parallel(g, dp_roles), True, stages))
+        plans.append(PlacementPlan(group_name(g), g, bundle, strategy, is_data_parallel(g, dp_roles), True, stages))
     for g in groups:
         if g in staged:
             continue
-        rest.append(GroupPlan(group_name(g), g, bundle_for(g), "PACK", is_data_parallel(g, dp_roles), False))
+        rest.append(PlacementPlan(group_name(g), g, bundle_for(g), "PACK", is_data_parallel(g, dp_roles), False))
     return plans + rest
 
 
-def capacity_error(graph: DataflowGraph, plans: Sequence[GroupPlan], totals: Mapping[str, float],
+def capacity_error(graph: DataflowGraph, plans: Sequence[PlacementPlan], totals: Mapping[str, float],
                    node_totals: Sequence[Mapping[str, float]]) -> PlacementError | None:
     """The fail-fast check before any placement group exists: graph.check_capacity plus the real bundles.
 

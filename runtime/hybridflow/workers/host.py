@@ -17,20 +17,13 @@ import torch
 
 from hybridflow.advantages import batch_stats, compute_advantages
 from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.plan import STEPS
 from hybridflow.workers import distributed
 from hybridflow.workers.actor import ActorRolloutWorker, ReferenceWorker
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.modeling import pick_device, prepare_process
 from hybridflow.workers.reward import RewardWorker
-
-# step name -> (role that runs it, method name on that role's worker)
-STEPS: dict[str, tuple[str, str]] = {
-    "reward": ("reward", "score"),
-    "reference": ("reference", "ref_log_probs"),
-    "old_log_probs": ("actor_rollout", "old_log_probs"),
-    "values": ("critic", "values"),
-}
 
 
 class WorkerHost:
@@ -105,8 +98,8 @@ class WorkerHost:
                 "step": step, "seconds": time.perf_counter() - t0}
 
     def _apply(self, step: str, batch: RolloutBatch) -> None:
-        role, method = STEPS[step]
-        getattr(self.workers[role], method)(batch)
+        s = STEPS[step]
+        getattr(self.workers[s.role], s.method)(batch)
 
     def train_step(self, rows: list[dict[str, str]], group_ids: list[int], chain: list[str],
                    kl_coef: float) -> dict[str, Any]:

@@ -1,32 +1,26 @@
-"""Level-based reconciliation of one RLTrainingJob: make its children match, compute and write its status.
+"""Level-based application of one RLTrainingJob: make its children match its spec, write its status.
 
-Framework-free (the controller calls in here) and safe to repeat: names are deterministic, creation
+Framework-free (the reconciler calls in here) and safe to repeat: names are deterministic, creation
 is create-or-read, and a status write carries the resourceVersion it was computed from.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
-from hybridflow_operator import names
-from hybridflow_operator.errors import RenderError
-from hybridflow_operator.kube import JOB_API_VERSION, ApiException, Kube
-from hybridflow_operator.patches import (
-    layout_changed,
-    merge_patch,
-    ownership_problem,
-    rayjob_patch,
-    stale_owner,
-)
-from hybridflow_operator.render import owner_reference, render
-from hybridflow_operator.settings import OperatorSettings
+from hybridflow.api import KIND
+from hybridflow.k8s import contract, names
+from hybridflow.k8s.errors import RenderError
+from hybridflow.k8s.patches import layout_changed, merge_patch, ownership_problem, rayjob_patch, stale_owner
+from hybridflow.k8s.render import render
+from hybridflow.k8s.settings import RenderSettings
+from hybridflow_operator.machinery.client import ApiException, Kube
+from hybridflow_operator.observed import JobView
 from hybridflow_operator.status import compute_status
 
-KIND = "RLTrainingJob"
 CONFLICT_RETRIES = 5
 RETRYABLE = {409, 422}  # resourceVersion conflict; a failed JSON-patch test (the list moved)
 # KubeRay's way from a RayJob to running pods is long, and the pods need their ServiceAccount: these two
@@ -53,12 +47,7 @@ class Applied:
     rayjob: dict | None = None
 
 
-def now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-async def ensure_children(kube: Kube, job: Mapping[str, Any], settings: OperatorSettings, *,
-                          fresh: bool) -> Applied:
+async def ensure_children(kube: Kube, job: JobView, settings: RenderSettings, *, fresh: bool) -> Applied:
     """Create what is missing, patch what may change; RenderError/ChildConflict when it cannot.
 
     The ServiceAccount and then the RayJob go as urgent requests (LEADING_KINDS); the other three go
@@ -67,7 +56,7 @@ async def ensure_children(kube: Kube, job: Mapping[str, Any], settings: Operator
     exist (409). Otherwise each is read first, which costs a GET instead of a refused POST for every
     child that is still there.
     """
-    rendered = render(job, settings)
+    rendered = render(job.body, settings)
     applied = Applied()
     group = rendered.layout.rollout_group
     leading = [c for kind in LEADING_KINDS for c in rendered.children if c["kind"] == kind]
@@ -88,7 +77,7 @@ async def ensure_children(kube: Kube, job: Mapping[str, Any], settings: Operator
     return applied
 
 
-async def _ensure(kube: Kube, desired: dict, job: Mapping[str, Any], rollout_group: str | None,
+async def _ensure(kube: Kube, desired: dict, job: JobView, rollout_group: str | None,
                   applied: Applied, *, fresh: bool, urgent: bool = False) -> None:
     meta = desired["metadata"]
     kind = desired["kind"]
@@ -96,18 +85,17 @@ async def _ensure(kube: Kube, desired: dict, job: Mapping[str, Any], rollout_gro
     existing = None if fresh else await kube.get(desired["apiVersion"], kind, meta["namespace"], meta["name"],
                                                  urgent=urgent)
     if existing is None:
-        if kind == "RayJob" and _finished(job):
-            return  # a finished job's RayJob may be gone (TTL, manual delete): never start it again
+        if kind == "RayJob" and job.finished:
+            return
         created, existing = await _create(kube, desired, urgent)
-        if created is not None:
+        if created:
             applied.created.append(ref)
             if kind == "RayJob":
-                applied.rayjob = created
+                applied.rayjob = existing
             return
-    owner = _owner(job)
-    problem = ownership_problem(existing, owner)
+    problem = ownership_problem(existing, job.owner)
     if problem:
-        raise ChildConflict(problem, temporary=stale_owner(existing, owner))
+        raise ChildConflict(problem, temporary=stale_owner(existing, job.owner))
     if kind == "RayJob":
         updated = await _update_rayjob(kube, existing, desired, rollout_group)
         if updated is not None:
@@ -121,47 +109,37 @@ async def _ensure(kube: Kube, desired: dict, job: Mapping[str, Any], rollout_gro
         applied.patched.append(ref)
 
 
-def status_patch(job: Mapping[str, Any], rayjob: Mapping[str, Any] | None, pods: list[Mapping[str, Any]],
+def status_patch(job: JobView, rayjob: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]],
                  problem: RenderError | None) -> dict:
     """The status the job should have now (see status.compute_status)."""
-    return compute_status(job, rayjob, pods, now(), str(problem) if problem else None,
+    return compute_status(job.body, rayjob, pods, contract.timestamp(), str(problem) if problem else None,
                           error_reason=problem.reason if problem else "InvalidSpec")
 
 
-async def write_status(kube: Kube, job: Mapping[str, Any], patch: Mapping[str, Any]) -> dict:
+async def write_status(kube: Kube, job: JobView, patch: Mapping[str, Any]) -> dict:
     """Merge-patch the status, conditional on the resourceVersion it was computed from (409 otherwise).
 
     Returns the job as the API server now has it.
     """
-    meta = job["metadata"]
-    body = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": patch}
-    return await kube.patch(JOB_API_VERSION, KIND, meta["namespace"], meta["name"], body, status=True)
+    body = {"metadata": {"resourceVersion": str(job.resource_version)}, "status": patch}
+    return await kube.patch(names.JOB_API_VERSION, KIND, job.namespace, job.name, body, status=True)
 
 
-def foreign_rayjob(job: Mapping[str, Any], rayjob: Mapping[str, Any] | None) -> ChildConflict | None:
+def foreign_rayjob(job: JobView, rayjob: Mapping[str, Any] | None) -> ChildConflict | None:
     """The RayJob under the job's child name belongs to someone else."""
-    problem = rayjob is not None and ownership_problem(rayjob, _owner(job))
-    if not problem:
+    problem = ownership_problem(rayjob, job.owner) if rayjob is not None else None
+    if rayjob is None or not problem:
         return None
-    return ChildConflict(problem, temporary=stale_owner(rayjob, _owner(job)))
-
-
-def job_name_of(child: Mapping[str, Any]) -> str | None:
-    """The RLTrainingJob a RayJob or Ray pod belongs to: the controller reference, else the label."""
-    meta = child.get("metadata", {})
-    for ref in meta.get("ownerReferences") or []:
-        if ref.get("controller") and ref.get("kind") == KIND:
-            return ref.get("name")
-    return (meta.get("labels") or {}).get(names.JOB_LABEL)
+    return ChildConflict(problem, temporary=stale_owner(rayjob, job.owner))
 
 
 # -- helpers --------------------------------------------------------------------------------------------
 
 
-async def _create(kube: Kube, desired: Mapping[str, Any], urgent: bool) -> tuple[dict | None, dict | None]:
-    """(created, None); on AlreadyExists (a previous run or another reconcile got there first) (None, existing)."""
+async def _create(kube: Kube, desired: Mapping[str, Any], urgent: bool) -> tuple[bool, dict]:
+    """(True, the created object); on AlreadyExists (a previous run got there first) (False, the existing one)."""
     try:
-        return await kube.create(desired, urgent=urgent), None
+        return True, await kube.create(desired, urgent=urgent)
     except ApiException as e:
         if e.status != 409:
             raise
@@ -170,7 +148,7 @@ async def _create(kube: Kube, desired: Mapping[str, Any], urgent: bool) -> tuple
                               urgent=urgent)
     if existing is None:  # deleted again in between (garbage collection of a stale one): next time
         raise ApiException(status=409, reason=f"{desired['kind']} {meta['name']} is being replaced")
-    return None, existing
+    return False, existing
 
 
 async def _update_rayjob(kube: Kube, existing: dict, desired: Mapping[str, Any],
@@ -197,13 +175,3 @@ async def _update_rayjob(kube: Kube, existing: dict, desired: Mapping[str, Any],
 
 def _generation(obj: Mapping[str, Any]) -> str | None:
     return (obj.get("metadata", {}).get("annotations") or {}).get(names.GENERATION_ANNOTATION)
-
-
-def _finished(job: Mapping[str, Any]) -> bool:
-    conditions = (job.get("status") or {}).get("conditions") or []
-    return any(c.get("type") in ("Succeeded", "Failed") and c.get("status") == "True" for c in conditions)
-
-
-def _owner(job: Mapping[str, Any]) -> dict | None:
-    meta = job["metadata"]
-    return owner_reference(meta["name"], meta.get("uid"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hybridflow_operator.names import CLUSTER_HASH_ANNOTATION, GENERATION_ANNOTATION
+from hybridflow.k8s.names import CLUSTER_HASH_ANNOTATION, GENERATION_ANNOTATION
 
 RAYJOB_FIELDS = ("suspend", "ttlSecondsAfterFinished", "activeDeadlineSeconds")
 REPLICA_FIELDS = ("replicas", "minReplicas", "maxReplicas")

@@ -12,18 +12,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from hybridflow.api import RLTrainingJobSpec, WorkerGroup
-from hybridflow.graph import DataflowGraph, GraphError, graph_for
-from hybridflow_operator.errors import RenderError
+from hybridflow.graph import DataflowGraph, GraphError
+from hybridflow.k8s.errors import RenderError
+from hybridflow.plan import ResourcePlan, resource_plan, trainable_graph
 
 GPUS_PER_POD = 8
 MEMORY_PER_CPU_GI = 4  # CPU-only pools derived from the graph
-KUEUE_MAX_WORKER_GROUPS = 7
 _EPS = 1e-9
 
 
 @dataclass(frozen=True)
-class GroupPlan:
-    """One Ray worker group: pods of `gpus`/`cpus`/`memory`, placed next to group `near` if set."""
+class WorkerGroupPlan:
+    """One KubeRay worker group: pods of `gpus`/`cpus`/`memory`, placed next to group `near` if set."""
 
     name: str
     replicas: int
@@ -44,7 +44,7 @@ class GroupPlan:
 @dataclass(frozen=True)
 class Layout:
     graph: DataflowGraph
-    groups: tuple[GroupPlan, ...]
+    groups: tuple[WorkerGroupPlan, ...]
     rollout_group: str | None
     """The group of the actor_rollout node: the one whose replicas may change while the job runs."""
 
@@ -52,34 +52,18 @@ class Layout:
 def plan_layout(spec: RLTrainingJobSpec, gpu_products: Mapping[str, Sequence[str]]) -> Layout:
     """Resolve the graph and its worker groups; raise RenderError naming the field to fix."""
     _check_unique_groups(spec.cluster.worker_groups)
-    graph = _resolve_graph(spec)
-    pools = pool_order(graph)
-    groups = _user_groups(spec.cluster.worker_groups, pools) if spec.cluster.worker_groups else _derived_groups(graph)
-    if spec.cluster.queue_name and len(groups) > KUEUE_MAX_WORKER_GROUPS:
-        raise RenderError("spec.cluster.workerGroups", "TooManyWorkerGroups",
-                          f"Kueue admits at most {KUEUE_MAX_WORKER_GROUPS} worker groups, "
-                          f"the graph needs {len(groups)}")
+    plan = resource_plan(_resolve_graph(spec))
+    if spec.cluster.worker_groups:
+        groups = _user_groups(spec.cluster.worker_groups, plan.pools)
+    else:
+        groups = _derived_groups(plan)
     if any(g.gpus for g in groups) and spec.cluster.gpu_type not in gpu_products:
         raise RenderError("spec.cluster.gpuType", "UnknownGPUType",
                           f"unknown GPU type {spec.cluster.gpu_type!r}; known: {', '.join(sorted(gpu_products))} "
                           "(the operator's HYBRIDFLOW_GPU_PRODUCTS setting adds more)")
-    _check_capacity(graph, {g.name: g for g in groups})
-    near = _reward_neighbours(graph)
-    groups = [replace(g, near=near.get(g.name)) for g in groups]
-    actor = graph.first("actor_rollout")
-    return Layout(graph=graph, groups=tuple(groups), rollout_group=actor.pool if actor else None)
-
-
-def pool_order(graph: DataflowGraph) -> list[str]:
-    return list(dict.fromkeys(n.pool for n in graph.nodes))
-
-
-def instance_gpus(graph: DataflowGraph, node_name: str) -> float:
-    """GPUs of the bundle one instance of the node shares with its co-located nodes."""
-    for group in graph.colocation_groups():
-        if any(n.name == node_name for n in group.nodes):
-            return float(group.bundle.get("GPU", 0.0))
-    raise KeyError(node_name)
+    _check_capacity(plan, {g.name: g for g in groups})
+    groups = [replace(g, near=plan.neighbours.get(g.name)) for g in groups]
+    return Layout(graph=plan.graph, groups=tuple(groups), rollout_group=plan.rollout_pool)
 
 
 def _check_unique_groups(groups: Sequence[WorkerGroup]) -> None:
@@ -92,25 +76,31 @@ def _check_unique_groups(groups: Sequence[WorkerGroup]) -> None:
 
 
 def _resolve_graph(spec: RLTrainingJobSpec) -> DataflowGraph:
-    """spec.graph as written, or the built-in graph as wide as the worker groups' GPUs allow."""
+    """spec.graph as written, or the built-in graph as wide as the worker groups' GPUs allow.
+
+    A graph that cannot train (plan.trainable_graph: PPO without a reward node, ...) is a RenderError
+    too, so the job stalls before any pod exists rather than failing inside its Ray cluster.
+    """
     try:
         if spec.graph is not None:
-            return graph_for(spec)
+            return trainable_graph(spec)
         if not spec.cluster.worker_groups:
-            return graph_for(spec, "GPU", GPUS_PER_POD, GPUS_PER_POD)
-        probe = graph_for(spec, "GPU", 1, 1)
-        widths = {role: _width(spec, probe, role) for role in ("actor_rollout", "critic") if probe.first(role)}
-        return graph_for(spec, "GPU", widths["actor_rollout"], widths.get("critic"))
+            return trainable_graph(spec, "GPU", GPUS_PER_POD, GPUS_PER_POD)
+        probe = resource_plan(trainable_graph(spec, "GPU", 1, 1))
+        widths = {role: _width(spec, probe, role) for role in ("actor_rollout", "critic") if probe.graph.first(role)}
+        return trainable_graph(spec, "GPU", widths["actor_rollout"], widths.get("critic"))
     except GraphError as e:
-        raise RenderError("spec.graph", "InvalidGraph", str(e)) from None
+        # each problem names its field already; spec.graph is the one the condition points at
+        message = "; ".join(p.removeprefix("spec.graph: ") for p in e.problems)
+        raise RenderError("spec.graph", "InvalidGraph", message) from None
 
 
-def _width(spec: RLTrainingJobSpec, probe: DataflowGraph, role: str) -> int:
+def _width(spec: RLTrainingJobSpec, probe: ResourcePlan, role: str) -> int:
     """Instances of a built-in node: one per bundle of whole GPUs in its pool's worker group."""
-    node = probe.first(role)
+    node = probe.graph.first(role)
     assert node is not None
-    index, group = _find_group(spec.cluster.worker_groups, node.pool, pool_order(probe))
-    per_instance = max(1, math.ceil(instance_gpus(probe, node.name) - _EPS))
+    index, group = _find_group(spec.cluster.worker_groups, node.pool, probe.pools)
+    per_instance = max(1, math.ceil(probe.instance_gpus[node.name] - _EPS))
     width = (group.replicas * group.gpus_per_worker) // per_instance
     if width < 1:
         raise RenderError(f"spec.cluster.workerGroups[{index}]", "InsufficientGPUs",
@@ -128,7 +118,7 @@ def _find_group(groups: Sequence[WorkerGroup], pool: str, pools: Sequence[str]) 
                       f"(the graph's pools: {', '.join(pools)})")
 
 
-def _user_groups(groups: Sequence[WorkerGroup], pools: Sequence[str]) -> list[GroupPlan]:
+def _user_groups(groups: Sequence[WorkerGroup], pools: Sequence[str]) -> list[WorkerGroupPlan]:
     for pool in pools:
         _find_group(groups, pool, pools)
     plans = []
@@ -143,31 +133,31 @@ def _user_groups(groups: Sequence[WorkerGroup], pools: Sequence[str]) -> list[Gr
         if not low <= g.replicas <= high:
             raise RenderError(f"{source}.replicas", "InvalidReplicas",
                               f"replicas {g.replicas} must lie within minReplicas {low} and maxReplicas {high}")
-        plans.append(GroupPlan(g.name, g.replicas, low, high, g.gpus_per_worker, g.cpus_per_worker, g.memory, source))
+        plans.append(WorkerGroupPlan(g.name, g.replicas, low, high, g.gpus_per_worker, g.cpus_per_worker, g.memory,
+                                     source))
     return plans
 
 
-def _derived_groups(graph: DataflowGraph) -> list[GroupPlan]:
+def _derived_groups(plan: ResourcePlan) -> list[WorkerGroupPlan]:
     """GPU pools: ceil(GPUs / 8) pods sharing the GPUs evenly; CPU pools: one pod with the CPUs asked."""
-    demand = graph.pool_demand()
     defaults = WorkerGroup(name="default")
-    plans = []
-    for pool in pool_order(graph):
-        need = demand.get(pool, {})
+    groups = []
+    for pool in plan.pools:
+        need: Mapping[str, float] = plan.demand.get(pool, {})
         gpus = math.ceil(need.get("GPU", 0.0) - _EPS)
         if gpus > 0:
             pods = math.ceil(gpus / GPUS_PER_POD)
-            plan = GroupPlan(pool, pods, pods, pods, math.ceil(gpus / pods), defaults.cpus_per_worker,
-                             defaults.memory, "spec.graph")
+            group = WorkerGroupPlan(pool, pods, pods, pods, math.ceil(gpus / pods), defaults.cpus_per_worker,
+                                    defaults.memory, "spec.graph")
         else:
             cpus = max(1, math.ceil(need.get("CPU", 0.0) - _EPS))
-            plan = GroupPlan(pool, 1, 1, 1, 0, cpus, f"{cpus * MEMORY_PER_CPU_GI}Gi", "spec.graph")
-        plans.append(plan)
-    return plans
+            group = WorkerGroupPlan(pool, 1, 1, 1, 0, cpus, f"{cpus * MEMORY_PER_CPU_GI}Gi", "spec.graph")
+        groups.append(group)
+    return groups
 
 
-def _check_capacity(graph: DataflowGraph, groups: Mapping[str, GroupPlan]) -> None:
-    for cg in graph.colocation_groups():
+def _check_capacity(plan: ResourcePlan, groups: Mapping[str, WorkerGroupPlan]) -> None:
+    for cg in plan.groups:
         per_instance = cg.bundle.get("GPU", 0.0)
         group = groups[cg.pool]
         if per_instance > group.gpus + _EPS:
@@ -175,26 +165,10 @@ def _check_capacity(graph: DataflowGraph, groups: Mapping[str, GroupPlan]) -> No
             raise RenderError(group.source, "InsufficientGPUs",
                               f"one instance of {names} needs {per_instance:g} GPUs but a pod of worker group "
                               f"{group.name!r} has {group.gpus}")
-    for pool, need in graph.pool_demand().items():
+    for pool, need in plan.demand.items():
         group = groups[pool]
         gpus = need.get("GPU", 0.0)
         if gpus > group.total_gpus + _EPS:
             raise RenderError(group.source, "InsufficientGPUs",
                               f"graph pool {pool!r} needs {gpus:g} GPUs but worker group {group.name!r} holds "
                               f"{group.total_gpus} ({group.replicas} x {group.gpus})")
-
-
-def _reward_neighbours(graph: DataflowGraph) -> dict[str, str]:
-    """Pools of only reward nodes that the actor feeds directly: they run on the actor's nodes."""
-    near: dict[str, str] = {}
-    for pool in pool_order(graph):
-        members = [n for n in graph.nodes if n.pool == pool]
-        if not all(n.role == "reward" for n in members):
-            continue
-        names = {n.name for n in members}
-        for edge in graph.data_edges():
-            src = graph.get(edge.src_name)
-            if edge.dst_name in names and src.role == "actor_rollout" and src.pool != pool:
-                near[pool] = src.pool
-                break
-    return near

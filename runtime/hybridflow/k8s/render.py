@@ -13,14 +13,13 @@ from typing import Any
 import pydantic_core
 import yaml
 
-from hybridflow.api import API_GROUP, API_VERSION, KIND, PLURAL, RLTrainingJob, SpecError, parse_job
-from hybridflow_operator import names
-from hybridflow_operator.errors import RenderError
-from hybridflow_operator.layout import Layout, plan_layout
-from hybridflow_operator.pods import CONFIG_FILE, CONFIG_PATH, PodContext, head_group, worker_group
-from hybridflow_operator.settings import OperatorSettings
-
-ENTRYPOINT = f"python -m hybridflow train --config {CONFIG_PATH}"
+from hybridflow.api import API_GROUP, KIND, PLURAL, RLTrainingJob, SpecError, parse_job
+from hybridflow.k8s import names
+from hybridflow.k8s.contract import CONFIG_FILE, ENTRYPOINT
+from hybridflow.k8s.errors import RenderError
+from hybridflow.k8s.layout import Layout, plan_layout
+from hybridflow.k8s.pods import PodContext, head_group, worker_group
+from hybridflow.k8s.settings import RenderSettings
 
 __all__ = ["ENTRYPOINT", "RenderError", "Rendered", "as_job", "render", "render_children", "render_manifests"]
 
@@ -37,17 +36,17 @@ def as_job(job: Mapping[str, Any] | RLTrainingJob) -> RLTrainingJob:
     if isinstance(job, RLTrainingJob):
         return job
     try:
-        return parse_job(_plain(job), source="spec")
+        return parse_job(dict(job), source="spec")
     except SpecError as e:
         raise RenderError("spec", "InvalidSpec", "; ".join(e.problems)) from None
 
 
-def render_children(job: Mapping[str, Any] | RLTrainingJob, settings: OperatorSettings) -> list[dict]:
+def render_children(job: Mapping[str, Any] | RLTrainingJob, settings: RenderSettings) -> list[dict]:
     """ConfigMap, ServiceAccount, Role, RoleBinding and RayJob, in the order they should be created."""
     return render(job, settings).children
 
 
-def render(job: Mapping[str, Any] | RLTrainingJob, settings: OperatorSettings) -> Rendered:
+def render(job: Mapping[str, Any] | RLTrainingJob, settings: RenderSettings) -> Rendered:
     """The children with the layout they came from (the operator needs its rollout group)."""
     job = as_job(job)
     layout = plan_layout(job.spec, settings.gpu_products)
@@ -69,7 +68,7 @@ def render(job: Mapping[str, Any] | RLTrainingJob, settings: OperatorSettings) -
     return Rendered(job, layout, children)
 
 
-def render_manifests(job: Mapping[str, Any] | RLTrainingJob, settings: OperatorSettings) -> str:
+def render_manifests(job: Mapping[str, Any] | RLTrainingJob, settings: RenderSettings) -> str:
     """The children as multi-document YAML."""
     return yaml.dump_all(render_children(job, settings), Dumper=_BlockDumper, sort_keys=False)
 
@@ -78,7 +77,7 @@ def owner_reference(name: str, uid: str | None) -> dict | None:
     """Controller reference to the job; None for a job read from a file (no uid yet)."""
     if not uid:
         return None
-    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": name, "uid": uid,
+    return {"apiVersion": names.JOB_API_VERSION, "kind": KIND, "name": name, "uid": uid,
             "controller": True, "blockOwnerDeletion": True}
 
 
@@ -106,7 +105,7 @@ def _config_map(job: RLTrainingJob, layout: Layout, namespace: str) -> dict:
     """
     spec = job.spec.to_yaml_dict()
     spec["graph"] = layout.graph.to_spec().to_yaml_dict()
-    doc = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND,
+    doc = {"apiVersion": names.JOB_API_VERSION, "kind": KIND,
            "metadata": {"name": job.metadata.name, "namespace": namespace}, "spec": spec}
     cm = _object("v1", "ConfigMap", names.config_map_name(job.metadata.name), namespace)
     cm["data"] = {CONFIG_FILE: pydantic_core.to_json(doc, indent=2).decode()}
@@ -131,7 +130,7 @@ def _role_binding(identity: str, namespace: str) -> dict:
     return binding
 
 
-def _rayjob(job: RLTrainingJob, layout: Layout, settings: OperatorSettings, namespace: str) -> dict:
+def _rayjob(job: RLTrainingJob, layout: Layout, settings: RenderSettings, namespace: str) -> dict:
     name = job.metadata.name
     cluster = job.spec.cluster
     policy = job.spec.run_policy
@@ -184,11 +183,3 @@ def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 
 _BlockDumper.add_representer(str, _represent_str)
 
-
-def _plain(value: Any) -> Any:
-    """Deep copy of a kopf body (Mapping views) as plain dicts and lists."""
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value

@@ -18,27 +18,28 @@ import orjson
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from hybridflow.api import API_GROUP, API_VERSION, KIND, PLURAL
-from hybridflow_operator.slots import PrioritySlots
+from hybridflow.api import KIND, PLURAL
+from hybridflow.k8s.names import JOB_API_VERSION
+from hybridflow_operator.machinery.slots import PrioritySlots
 
 # (apiVersion, kind) -> plural
 PLURALS = {
     ("v1", "ConfigMap"): "configmaps",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Pod"): "pods",
+    ("v1", "Event"): "events",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("ray.io/v1", "RayJob"): "rayjobs",
-    (f"{API_GROUP}/{API_VERSION}", KIND): PLURAL,
+    (JOB_API_VERSION, KIND): PLURAL,
 }
-JOB_API_VERSION = f"{API_GROUP}/{API_VERSION}"
 MERGE = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 FIELD_MANAGER = "hybridflow-operator"
 TIMEOUT_S = 30
 WATCH_SILENCE_S = 120  # a watch asks for bookmarks, which the API server sends about once a minute
 
-__all__ = ["JOB_API_VERSION", "ApiException", "Kube", "load_configuration", "namespace_terminating"]
+__all__ = ["ApiException", "Kube", "load_configuration", "namespace_terminating"]
 
 
 def load_configuration() -> client.Configuration:

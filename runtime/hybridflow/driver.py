@@ -45,7 +45,7 @@ def run_training(job: RLTrainingJob, metrics_out: str | None, on_progress: Progr
     from hybridflow.trainer import Trainer  # torch is imported by the controller, not by this driver
 
     restarts = job.spec.trainer.worker_max_restarts
-    controller_cls = ray.remote(Trainer)
+    controller_cls: Any = ray.remote(Trainer)
     ctrl = controller_cls.options(
         name=f"hybridflow-controller-{job.metadata.name}-{uuid.uuid4().hex[:6]}", num_cpus=1,
         max_restarts=restarts, max_task_retries=0, max_concurrency=2,

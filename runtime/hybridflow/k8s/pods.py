@@ -13,12 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridflow.api import Cluster
-from hybridflow_operator.layout import GroupPlan
-from hybridflow_operator.names import JOB_LABEL, POOL_LABEL, RAY_GROUP_LABEL
+from hybridflow.k8s.contract import CONFIG_DIR, CONFIG_PATH, ENV_CONFIG, ENV_JOB_NAME, ENV_JOB_NAMESPACE, pool_resource
+from hybridflow.k8s.layout import WorkerGroupPlan
+from hybridflow.k8s.names import JOB_LABEL, POOL_LABEL, RAY_GROUP_LABEL
 
-CONFIG_DIR = "/etc/hybridflow"
-CONFIG_FILE = "job.json"
-CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
@@ -41,11 +39,6 @@ class PodContext:
     gpu_products: Sequence[str]
 
 
-def pool_resource(group: str) -> str:
-    """The Ray custom resource a group's nodes advertise, so the runtime can pin bundles to a pool."""
-    return f"pool_{group}"
-
-
 def head_group(ctx: PodContext) -> dict:
     """No GPUs and num-cpus 0: the driver and Ray's own services stay off the training path."""
     container = {
@@ -63,9 +56,9 @@ def head_group(ctx: PodContext) -> dict:
     }
 
 
-def worker_group(plan: GroupPlan, ctx: PodContext) -> dict:
+def worker_group(plan: WorkerGroupPlan, ctx: PodContext) -> dict:
     gpu = plan.gpus > 0
-    env = [*_runtime_env(ctx), _env("HYBRIDFLOW_POOL", plan.name)]
+    env = _runtime_env(ctx)
     env += _nccl_env(ctx.cluster) if gpu else [_env("NVIDIA_VISIBLE_DEVICES", "void")]
     mounts = [_config_mount()]
     volumes = [_config_volume(ctx)]
@@ -108,7 +101,7 @@ def _template(ctx: PodContext, labels: dict, container: dict, volumes: list[dict
     return {"metadata": {"labels": labels}, "spec": spec}
 
 
-def _affinity(plan: GroupPlan, ctx: PodContext) -> dict:
+def _affinity(plan: WorkerGroupPlan, ctx: PodContext) -> dict:
     affinity: dict = {}
     if plan.gpus > 0:
         term = {"matchExpressions": [{"key": GPU_PRODUCT_LABEL, "operator": "In", "values": list(ctx.gpu_products)}]}
@@ -133,9 +126,9 @@ def _resources(cpus: int, memory: str, gpus: int) -> dict:
 def _runtime_env(ctx: PodContext) -> list[dict]:
     """Lets the runtime find its config and patch its own job's status.progress."""
     return [
-        _env("HYBRIDFLOW_JOB_NAME", ctx.job_name),
-        _env("HYBRIDFLOW_JOB_NAMESPACE", ctx.namespace),
-        _env("HYBRIDFLOW_CONFIG", CONFIG_PATH),
+        _env(ENV_JOB_NAME, ctx.job_name),
+        _env(ENV_JOB_NAMESPACE, ctx.namespace),
+        _env(ENV_CONFIG, CONFIG_PATH),
     ]
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import hashlib
 import re
 
-from hybridflow.api import API_GROUP
+from hybridflow.api import API_GROUP, API_VERSION
 
+JOB_API_VERSION = f"{API_GROUP}/{API_VERSION}"
 MAX_RAYJOB_NAME = 47  # KubeRay: RayCluster names <= 53 and it appends "-" + 5 characters
 HASH_LEN = 6
 

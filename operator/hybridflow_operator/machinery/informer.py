@@ -1,11 +1,8 @@
-"""A lean list-and-watch of one kind of child (RayJobs, unbound Ray pods) that feeds the controller's memory.
+"""A lean list-and-watch of one kind of object into a callback, the way a client-go reflector reads it.
 
-kopf runs its whole handler machinery for every watch event (cause detection, handler invocation,
-an object memory per object), which for the thousands of Ray pod and RayJob events of a burst was
-most of the operator's CPU. These children only update what the controller has seen, so they are
-read here as JSON lines, the way a client-go reflector reads them: list, then watch from the list's
-resourceVersion with bookmarks; on `410 Gone` list again, and report what vanished in between as
-deleted. The RLTrainingJobs themselves stay with kopf.
+List, then watch from the list's resourceVersion with bookmarks, the events read as JSON lines; on
+`410 Gone` list again, and report what vanished in between as deleted. No per-event copies or handler
+bookkeeping: a third of kopf's CPU per watch event (lifecycle.py has the numbers).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from hybridflow_operator.kube import ApiException, Kube, api_message
+from hybridflow_operator.machinery.client import ApiException, Kube, api_message
 
 OnEvent = Callable[[Mapping[str, Any], str], None]  # (object, ADDED | MODIFIED | DELETED)
 Key = tuple[str, str]  # (namespace, name)
@@ -95,7 +92,7 @@ class Informer:
                 backoff = 1.0
             except Expired:
                 version = None
-            except (ApiException, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            except (TimeoutError, ApiException, aiohttp.ClientError, ValueError) as e:
                 detail = f"API error {e.status}: {api_message(e)}" if isinstance(e, ApiException) else repr(e)
                 log.warning("watching %s: %s; retrying in %.0f s", self.name, detail, backoff)
                 if isinstance(e, ApiException):

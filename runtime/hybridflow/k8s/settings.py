@@ -1,0 +1,73 @@
+"""What rendering needs to know about the cluster: its GPU products and the default runtime image.
+
+The operator reads these from its environment (the Helm chart sets them); `hybridflow render` reads
+the same variables, so both print the same manifests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import yaml
+
+ENV_PREFIX = "HYBRIDFLOW_"
+ENV_GPU_PRODUCTS = f"{ENV_PREFIX}GPU_PRODUCTS"
+ENV_RUNTIME_IMAGE = f"{ENV_PREFIX}RUNTIME_IMAGE"
+DEFAULT_RUNTIME_IMAGE = "docker.io/hybridflow/runtime:0.1.0"
+
+# nvidia.com/gpu.product values (as GPU feature discovery writes them) for each spec.cluster.gpuType.
+DEFAULT_GPU_PRODUCTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "A100-80GB": ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"),
+    "A100-40GB": ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB"),
+    "H100-80GB": ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe"),
+    "H100-94GB": ("NVIDIA-H100-NVL",),
+    "H200-141GB": ("NVIDIA-H200", "NVIDIA-H200-NVL"),
+    "B200-180GB": ("NVIDIA-B200",),
+    "L40S": ("NVIDIA-L40S",),
+    "L4": ("NVIDIA-L4",),
+    "A10G": ("NVIDIA-A10G",),
+})
+
+
+class SettingsError(ValueError):
+    """A malformed environment variable or flag: refuse to start rather than guess."""
+
+
+@dataclass(frozen=True)
+class RenderSettings:
+    """The cluster facts a rendering depends on; immutable."""
+
+    gpu_products: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: DEFAULT_GPU_PRODUCTS)
+    runtime_image: str = DEFAULT_RUNTIME_IMAGE
+    """Image for Ray pods when spec.cluster.image is empty."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RenderSettings:
+        """From HYBRIDFLOW_GPU_PRODUCTS and HYBRIDFLOW_RUNTIME_IMAGE (the process environment by default)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        if env.get(ENV_GPU_PRODUCTS, "").strip():
+            values["gpu_products"] = parse_gpu_products(env[ENV_GPU_PRODUCTS])
+        if env.get(ENV_RUNTIME_IMAGE):
+            values["runtime_image"] = env[ENV_RUNTIME_IMAGE]
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def parse_gpu_products(value: str) -> dict[str, tuple[str, ...]]:
+    """A JSON or YAML mapping gpuType -> product name (or list of them)."""
+    try:
+        doc = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise SettingsError(f"{ENV_GPU_PRODUCTS} is not valid JSON/YAML: {e}") from None
+    if not isinstance(doc, dict) or not doc:
+        raise SettingsError(f"{ENV_GPU_PRODUCTS} must be a non-empty mapping of gpuType to product names")
+    out: dict[str, tuple[str, ...]] = {}
+    for gpu_type, products in doc.items():
+        names = [products] if isinstance(products, str) else products
+        if not isinstance(names, list) or not names or not all(isinstance(p, str) and p for p in names):
+            raise SettingsError(f"{ENV_GPU_PRODUCTS}[{gpu_type}] must be a product name or a non-empty list of them")
+        out[str(gpu_type)] = tuple(names)
+    return out

@@ -1,0 +1,302 @@
+"""Which graphs can train, how one step runs on them, and what they ask of a cluster.
+
+Pure: `hybridflow validate`, preflight, the operator and the trainer all ask here, so a graph that
+passes one of them passes them all. graph.py is the DSL and its structure; this module adds what an
+algorithm needs from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+from hybridflow.api.spec import RLTrainingJobSpec, Role
+from hybridflow.graph import ROLES, ColocationGroup, DataflowGraph, GraphError, Node, spec_graph
+
+REQUIRED_ROLES: Mapping[str, tuple[Role, ...]] = MappingProxyType({
+    "ppo": ("actor_rollout", "reward", "critic"),
+    "grpo": ("actor_rollout", "reward"),
+})
+"""Each needs exactly one node; no role may have two (the trainer could not tell which to use)."""
+
+Phase = Literal["rollout", "values", "advantages", "update"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """`method` of the worker of `role`, run on a rollout batch; it adds tensors to the batch."""
+
+    name: str
+    role: Role
+    method: str
+
+
+STEPS: Mapping[str, Step] = MappingProxyType({s.name: s for s in (
+    Step("reward", "reward", "score"),
+    Step("reference", "reference", "ref_log_probs"),
+    Step("old_log_probs", "actor_rollout", "old_log_probs"),
+    Step("values", "critic", "values"),
+)})
+"""The one step each role runs on a freshly generated batch."""
+
+STEP_OF_ROLE: Mapping[str, Step] = MappingProxyType({s.role: s for s in STEPS.values()})
+
+
+@dataclass(frozen=True)
+class RemoteStep:
+    """A step whose node does not share the actor's process: chunks reach it through the object store."""
+
+    step: Step
+    node: Node
+    edge: str
+    """The data edge actor->node whose queue carries the chunks (backpressure watches it)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Where each part of one training step runs."""
+
+    actor: Node
+    critic: Node | None
+    colocated: tuple[str, ...]
+    """Steps run in the actor's process right after generation, in this order."""
+    remote: tuple[RemoteStep, ...]
+    trained: tuple[Node, ...]
+    """One node per group of hosts that `update`: the actor, and the critic unless it shares the actor's hosts."""
+    phases: tuple[Phase, ...]
+    fused: bool
+    """Every phase runs on the actor's single host, so the whole step is one call to it."""
+
+
+def needs_reference(spec: RLTrainingJobSpec) -> bool:
+    """A reference node scores log-probs only when the spec asks for a KL penalty against it."""
+    return spec.model.reference.enabled and spec.algorithm.kl_penalty.coef > 0
+
+
+def sequences_per_step(spec: RLTrainingJobSpec) -> int:
+    return spec.data.batch_size * spec.rollout.samples_per_prompt
+
+
+# -- the rules ------------------------------------------------------------------------------------
+
+
+def training_problems(graph: DataflowGraph, spec: RLTrainingJobSpec) -> list[str]:
+    """Every reason `graph` cannot train `spec`'s algorithm, each naming the spec field; [] when it can.
+
+    Assumes nothing about structure (graph.validate reports that), so both lists can be shown together.
+    """
+    algo = spec.algorithm.name
+    at = _Locator(graph, spec)
+    problems: list[str] = []
+    for role in ROLES:
+        nodes = graph.by_role(role)
+        if not nodes and role in REQUIRED_ROLES[algo]:
+            problems.append(f"{at.nodes}: {algo} needs a node with role {role}" + _critic_hint(algo, role))
+        if len(nodes) > 1:
+            problems.append(f"{at.nodes}: {len(nodes)} nodes have role {role} ({', '.join(n.name for n in nodes)}); "
+                            f"allowed: exactly one")
+    if algo == "grpo":
+        problems += [f"{at.node(n)}: grpo trains no critic, so node {n.name!r} would never be used; remove it "
+                     "or set spec.algorithm.name to ppo" for n in graph.by_role("critic")]
+    actors = graph.by_role("actor_rollout")
+    if len(actors) == 1:
+        problems += _feed_problems(graph, spec, actors[0], at)
+    problems += _rank_problems(graph, spec, at)
+    return problems
+
+
+def _critic_hint(algo: str, role: str) -> str:
+    return " (or set spec.algorithm.name to grpo, which needs none)" if algo == "ppo" and role == "critic" else ""
+
+
+def _feed_problems(graph: DataflowGraph, spec: RLTrainingJobSpec, actor: Node, at: _Locator) -> list[str]:
+    """A reward or reference node outside the actor's process gets its batches over a data edge from the actor."""
+    shared = _group_of(graph, actor.name)
+    fed = {e.dst_name for e in graph.data_edges() if e.src_name == actor.name}
+    problems = []
+    for node in graph.nodes:
+        if node.role not in ("reward", "reference") or node.name in shared or node.name in fed:
+            continue
+        if node.role == "reference" and not needs_reference(spec):
+            continue
+        problems.append(f"{at.edges}: node {node.name!r} ({node.role}) does not share the actor's process, so it "
+                        f"needs a data edge from {actor.name!r} ({{src: {actor.name}, dst: {node.name}}}) or a "
+                        f"coLocate edge to it")
+    return problems
+
+
+def _rank_problems(graph: DataflowGraph, spec: RLTrainingJobSpec, at: _Locator) -> list[str]:
+    """Every data-parallel rank of a trained node takes a shard of the step's batch: none may be left empty."""
+    have = sequences_per_step(spec)
+    problems = []
+    for node in graph.by_role("actor_rollout") + graph.by_role("critic"):
+        if node.parallelism > have:
+            problems.append(
+                f"{at.node(node)}.parallelism: {node.parallelism} ranks of {node.name!r} need at least one sequence "
+                f"each, but a step has {have} (spec.data.batchSize * spec.rollout.samplesPerPrompt)"
+            )
+    return problems
+
+
+class _Locator:
+    """Field paths for messages: spec.graph.nodes[i] for a written graph, the node's name for the built-in one."""
+
+    def __init__(self, graph: DataflowGraph, spec: RLTrainingJobSpec) -> None:
+        self.custom = spec.graph is not None
+        self._index = {n.name: i for i, n in enumerate(spec.graph.nodes)} if spec.graph is not None else {}
+        self.nodes = "spec.graph.nodes" if self.custom else f"the built-in {graph.name} graph"
+        self.edges = "spec.graph.edges" if self.custom else f"the built-in {graph.name} graph"
+
+    def node(self, node: Node) -> str:
+        if node.name in self._index:
+            return f"spec.graph.nodes[{self._index[node.name]}]"
+        return f"{self.nodes} (node {node.name!r})"
+
+
+def _group_of(graph: DataflowGraph, name: str) -> set[str]:
+    for g in graph.colocation_groups():
+        if any(n.name == name for n in g.nodes):
+            return {n.name for n in g.nodes}
+    return {name}
+
+
+# -- entry points ---------------------------------------------------------------------------------
+
+
+def trainable_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = "GPU", parallelism: int = 1,
+                    critic_parallelism: int | None = None) -> DataflowGraph:
+    """spec.graph, else the built-in graph; raises GraphError with every structural and training problem.
+
+    Each problem names its field: structural ones are prefixed `spec.graph: `.
+    """
+    graph = spec_graph(spec, accelerator, parallelism, critic_parallelism)
+    problems: list[str] = []
+    try:
+        graph.validate()
+    except GraphError as e:
+        problems += [f"spec.graph: {p}" for p in e.problems]
+    problems += training_problems(graph, spec)
+    if problems:
+        raise GraphError(problems)
+    return graph
+
+
+def graph_problems(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = "GPU") -> list[str]:
+    """What `trainable_graph` would raise, as a list (empty when the job's graph can train)."""
+    try:
+        trainable_graph(spec, accelerator)
+    except GraphError as e:
+        return e.problems
+    return []
+
+
+def step_plan(graph: DataflowGraph, spec: RLTrainingJobSpec) -> StepPlan:
+    """Read a valid graph: which steps share the actor's process, which stream elsewhere, what trains.
+
+    A critic that shares the actor's hosts scores values right after generation like any co-located
+    step; a separate critic gets its own `values` phase, data-parallel over its ranks.
+    """
+    problems = training_problems(graph, spec)
+    if problems:
+        raise GraphError(problems)
+    actor = graph.by_role("actor_rollout")[0]
+    critic = graph.by_role("critic")[0] if spec.algorithm.name == "ppo" else None
+    shared = _group_of(graph, actor.name)
+    colocated: list[str] = []
+    remote: list[RemoteStep] = []
+    for node in graph.topo_order():
+        if node is actor or (node.role == "reference" and not needs_reference(spec)):
+            continue
+        step = STEP_OF_ROLE[node.role]
+        if node.name in shared:
+            colocated.append(step.name)
+        elif node.role != "critic":
+            remote.append(RemoteStep(step, node, f"{actor.name}->{node.name}"))
+    colocated.append(STEP_OF_ROLE["actor_rollout"].name)
+    separate_critic = critic is not None and critic.name not in shared
+    phases: tuple[Phase, ...] = ("rollout", "values", "advantages", "update") if separate_critic else (
+        "rollout", "advantages", "update")
+    fused = (actor.parallelism == 1 and not remote and not separate_critic
+             and spec.scheduling.micro_batch_size is None)
+    trained = (actor, critic) if separate_critic and critic is not None else (actor,)
+    return StepPlan(actor, critic, tuple(colocated), tuple(remote), trained, phases, fused)
+
+
+# -- what the graph asks of a cluster -------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class PoolDemand(Mapping[str, float]):
+    """What one pool needs: resource -> amount in whole devices, read like a dict.
+
+    `largest_bundle` is the most one instance asks for (summed over its co-located nodes): a single
+    pod of the pool must hold at least that much.
+    """
+
+    resources: Mapping[str, float]
+    largest_bundle: Mapping[str, float]
+
+    def __getitem__(self, key: str) -> float:
+        return self.resources[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.resources)
+
+    def __len__(self) -> int:
+        return len(self.resources)
+
+
+@dataclass(frozen=True)
+class ResourcePlan:
+    """Everything rendering needs from a graph, asked once."""
+
+    graph: DataflowGraph
+    pools: tuple[str, ...]
+    """Pool names in graph order."""
+    groups: tuple[ColocationGroup, ...]
+    demand: Mapping[str, PoolDemand]
+    """Per pool, whole devices (graph.pool_demand())."""
+    instance_gpus: Mapping[str, float]
+    """Node name -> GPUs of the bundle one instance shares with its co-located nodes."""
+    neighbours: Mapping[str, str]
+    """Pool of only reward nodes that the actor feeds directly -> the actor's pool (run them side by side)."""
+    rollout_pool: str | None
+    """Pool of the actor_rollout node: the one whose size may change while the job runs."""
+
+
+def resource_plan(graph: DataflowGraph) -> ResourcePlan:
+    groups = tuple(graph.colocation_groups())
+    pools = tuple(dict.fromkeys(n.pool for n in graph.nodes))
+    totals = graph.pool_demand()
+    largest: dict[str, dict[str, float]] = {p: {} for p in pools}
+    for g in groups:
+        for res, amount in g.bundle.items():
+            largest[g.pool][res] = max(largest[g.pool].get(res, 0.0), amount)
+    actor = graph.first("actor_rollout")
+    return ResourcePlan(
+        graph=graph,
+        pools=pools,
+        groups=groups,
+        demand=MappingProxyType({p: PoolDemand(MappingProxyType(totals.get(p, {})), MappingProxyType(largest[p]))
+                                 for p in pools}),
+        instance_gpus=MappingProxyType({n.name: float(g.bundle.get("GPU", 0.0)) for g in groups for n in g.nodes}),
+        neighbours=MappingProxyType(_reward_neighbours(graph, pools)),
+        rollout_pool=actor.pool if actor else None,
+    )
+
+
+def _reward_neighbours(graph: DataflowGraph, pools: tuple[str, ...]) -> dict[str, str]:
+    near: dict[str, str] = {}
+    for pool in pools:
+        members = [n for n in graph.nodes if n.pool == pool]
+        if not all(n.role == "reward" for n in members):
+            continue
+        names = {n.name for n in members}
+        for edge in graph.data_edges():
+            src = graph.get(edge.src_name)
+            if edge.dst_name in names and src.role == "actor_rollout" and src.pool != pool:
+                near[pool] = src.pool
+                break
+    return near

@@ -1,0 +1,259 @@
+"""Which graphs can train: every rule at the plan level and at each entry point that must enforce it
+(`hybridflow validate`, preflight, the trainer's step plan); the step plan and the resource plan."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow import DataflowGraph, GraphError
+from hybridflow.api import RLTrainingJobSpec, parse_job
+from hybridflow.cli import main as cli_main
+from hybridflow.plan import (
+    REQUIRED_ROLES,
+    STEP_OF_ROLE,
+    STEPS,
+    resource_plan,
+    step_plan,
+    trainable_graph,
+    training_problems,
+)
+from hybridflow.preflight import preflight
+
+
+def node(name: str, role: str, pool: str = "actor", parallelism: int = 1, **resources: float) -> dict:
+    return {"name": name, "role": role, "resources": resources, "parallelism": parallelism, "pool": pool}
+
+
+def ppo_graph() -> dict:
+    """The built-in PPO graph on CPUs, written out: reward and reference share the actor's process."""
+    return {
+        "nodes": [node("actor", "actor_rollout", CPU=1), node("score", "reward"), node("ref", "reference"),
+                  node("critic", "critic", CPU=1)],
+        "edges": [{"src": "actor", "dst": "score", "coLocate": True}, {"src": "actor", "dst": "ref", "coLocate": True},
+                  {"src": "actor", "dst": "critic"}, {"src": "critic", "dst": "actor", "control": True}],
+    }
+
+
+def drop(graph: dict, name: str) -> dict:
+    graph["nodes"] = [n for n in graph["nodes"] if n["name"] != name]
+    graph["edges"] = [e for e in graph["edges"] if name not in (e["src"], e["dst"])]
+    return graph
+
+
+def add_remote(graph: dict, name: str, role: str, edge: bool) -> dict:
+    graph["nodes"].append(node(name, role, pool="side"))
+    if edge:
+        graph["edges"].append({"src": "actor", "dst": name})
+    return graph
+
+
+Mutation = Callable[[dict], None]
+
+
+def with_graph(change: Callable[[dict], dict], algorithm: str = "ppo") -> Mutation:
+    def apply(doc: dict) -> None:
+        doc["spec"]["algorithm"]["name"] = algorithm
+        if algorithm == "grpo":
+            doc["spec"]["rollout"]["samplesPerPrompt"] = 2
+        doc["spec"]["graph"] = change(ppo_graph())
+
+    return apply
+
+
+def set_parallelism(graph: dict, name: str, n: int) -> dict:
+    for nd in graph["nodes"]:
+        if nd["name"] == name:
+            nd["parallelism"] = n
+    return graph
+
+
+def wide_actor(graph: dict) -> dict:
+    """Actor, reward and reference co-located at 300 ranks, more than tiny-ppo's 256 sequences a step."""
+    for name in ("actor", "score", "ref"):
+        set_parallelism(graph, name, 300)
+    return graph
+
+
+RULES: dict[str, tuple[Mutation, str]] = {
+    "ppo without reward": (with_graph(lambda g: drop(g, "score")),
+                           "spec.graph.nodes: ppo needs a node with role reward"),
+    "ppo without critic": (with_graph(lambda g: drop(g, "critic")),
+                           "spec.graph.nodes: ppo needs a node with role critic"),
+    "no actor": (with_graph(lambda g: drop(g, "actor")),
+                 "spec.graph.nodes: ppo needs a node with role actor_rollout"),
+    "two reward nodes": (with_graph(lambda g: add_remote(g, "score2", "reward", edge=True)),
+                         "spec.graph.nodes: 2 nodes have role reward (score, score2); allowed: exactly one"),
+    "two critics": (with_graph(lambda g: add_remote(g, "critic2", "critic", edge=True)),
+                    "spec.graph.nodes: 2 nodes have role critic (critic, critic2); allowed: exactly one"),
+    "two references": (with_graph(lambda g: add_remote(g, "ref2", "reference", edge=True)),
+                       "spec.graph.nodes: 2 nodes have role reference (ref, ref2); allowed: exactly one"),
+    "critic in grpo": (with_graph(lambda g: g, algorithm="grpo"),
+                       "spec.graph.nodes[3]: grpo trains no critic, so node 'critic' would never be used"),
+    "remote reward without an edge from the actor": (
+        with_graph(lambda g: add_remote(drop(g, "score"), "score", "reward", edge=False)),
+        "spec.graph.edges: node 'score' (reward) does not share the actor's process, so it needs a data edge "
+        "from 'actor'"),
+    "remote reference without an edge from the actor": (
+        with_graph(lambda g: add_remote(drop(g, "ref"), "ref", "reference", edge=False)),
+        "spec.graph.edges: node 'ref' (reference) does not share the actor's process"),
+    "more actor ranks than sequences": (
+        with_graph(wide_actor),
+        "spec.graph.nodes[0].parallelism: 300 ranks of 'actor' need at least one sequence each, but a step has 256"),
+    "more critic ranks than sequences": (
+        with_graph(lambda g: set_parallelism(g, "critic", 257)),
+        "spec.graph.nodes[3].parallelism: 257 ranks of 'critic' need at least one sequence each"),
+}
+
+
+@pytest.fixture(params=sorted(RULES))
+def broken(request, example_doc) -> tuple[dict, str]:
+    """A tiny-ppo job breaking one rule, and the message that must name it."""
+    change, needle = RULES[request.param]
+    doc = example_doc("tiny-ppo.yaml")
+    change(doc)
+    return doc, needle
+
+
+def test_each_rule_at_the_plan_level(broken) -> None:
+    doc, needle = broken
+    spec = parse_job(doc).spec
+    assert any(needle in p for p in training_problems(DataflowGraph.from_spec(spec.graph), spec))
+    with pytest.raises(GraphError) as info:
+        trainable_graph(spec, "CPU")
+    assert any(needle in p for p in info.value.problems)
+
+
+def test_each_rule_in_hybridflow_validate(broken, tmp_path: Path, capsys) -> None:
+    doc, needle = broken
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert cli_main(["validate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert "Traceback" not in err
+
+
+def test_each_rule_in_preflight(broken) -> None:
+    doc, needle = broken
+    problems = preflight(parse_job(doc).spec, "CPU")
+    assert any(needle in p for p in problems), problems
+
+
+def test_each_rule_in_the_trainers_step_plan(broken) -> None:
+    doc, needle = broken
+    spec = parse_job(doc).spec
+    with pytest.raises(GraphError) as info:
+        step_plan(DataflowGraph.from_spec(spec.graph), spec)
+    assert any(needle in p for p in info.value.problems)
+
+
+def test_structural_and_training_problems_are_reported_together(example_doc) -> None:
+    doc = example_doc("tiny-ppo.yaml")
+    doc["spec"]["graph"] = drop(ppo_graph(), "score")
+    doc["spec"]["graph"]["edges"].append({"src": "actor", "dst": "ghost"})
+    with pytest.raises(GraphError) as info:
+        trainable_graph(parse_job(doc).spec)
+    assert info.value.problems == ["spec.graph: edge actor->ghost: unknown node 'ghost'",
+                                   "spec.graph.nodes: ppo needs a node with role reward"]
+
+
+def test_the_built_in_graphs_name_the_node_when_ranks_outnumber_sequences(example_doc) -> None:
+    spec = parse_job(example_doc("tiny-grpo.yaml")).spec  # 32 prompts x 8 samples
+    trainable_graph(spec, "GPU", parallelism=256)
+    with pytest.raises(GraphError, match=r"the built-in grpo graph \(node 'actor_rollout'\)\.parallelism: 257 ranks"):
+        trainable_graph(spec, "GPU", parallelism=257)
+
+
+def test_every_example_can_train(example_doc) -> None:
+    from tests.conftest import EXAMPLES
+
+    for path in EXAMPLES.glob("*.yaml"):
+        spec = parse_job(yaml.safe_load(path.read_text())).spec
+        step_plan(trainable_graph(spec, "GPU"), spec)
+
+
+# -- the step plan --------------------------------------------------------------------------------
+
+
+def spec_of(example_doc, name: str, graph: dict | None = None, **algorithm) -> RLTrainingJobSpec:
+    doc = example_doc(name)
+    doc["spec"]["algorithm"].update(algorithm)
+    if graph is not None:
+        doc["spec"]["graph"] = graph
+    return parse_job(doc).spec
+
+
+def test_one_step_table_for_every_role() -> None:
+    assert {s.role for s in STEPS.values()} == {r for roles in REQUIRED_ROLES.values() for r in roles} | {"reference"}
+    assert STEP_OF_ROLE["reference"].method == "ref_log_probs"
+    assert STEP_OF_ROLE["actor_rollout"].name == "old_log_probs"
+
+
+def test_grpo_on_one_actor_is_one_call_per_step(example_doc) -> None:
+    spec = spec_of(example_doc, "tiny-grpo.yaml")
+    plan = step_plan(trainable_graph(spec, "CPU"), spec)
+    assert plan.colocated == ("reward", "reference", "old_log_probs")
+    assert plan.phases == ("rollout", "advantages", "update")
+    assert plan.fused and plan.critic is None and plan.remote == ()
+    assert [n.name for n in plan.trained] == ["actor_rollout"]
+
+
+def test_ppo_with_its_own_critic_runs_a_values_phase(example_doc) -> None:
+    spec = spec_of(example_doc, "tiny-ppo.yaml")
+    plan = step_plan(trainable_graph(spec, "CPU"), spec)
+    assert plan.phases == ("rollout", "values", "advantages", "update")
+    assert not plan.fused
+    assert [n.name for n in plan.trained] == ["actor_rollout", "critic"]
+
+
+def test_a_critic_sharing_the_actors_process_scores_values_in_it(example_doc) -> None:
+    graph = ppo_graph()
+    graph["edges"][2]["coLocate"] = True
+    spec = spec_of(example_doc, "tiny-ppo.yaml", graph)
+    plan = step_plan(trainable_graph(spec, "CPU"), spec)
+    assert plan.colocated == ("reward", "reference", "values", "old_log_probs")
+    assert plan.phases == ("rollout", "advantages", "update") and plan.fused
+    assert plan.critic is not None and [n.name for n in plan.trained] == ["actor"]
+
+
+def test_remote_steps_stream_over_the_actors_edge(example_doc) -> None:
+    graph = add_remote(drop(ppo_graph(), "score"), "score", "reward", edge=True)
+    spec = spec_of(example_doc, "tiny-ppo.yaml", graph)
+    plan = step_plan(trainable_graph(spec, "CPU"), spec)
+    assert [(r.step.name, r.node.name, r.edge) for r in plan.remote] == [("reward", "score", "actor->score")]
+    assert plan.colocated == ("reference", "old_log_probs") and not plan.fused
+
+
+def test_a_reference_node_is_ignored_without_a_kl_penalty(example_doc) -> None:
+    graph = add_remote(drop(ppo_graph(), "ref"), "ref", "reference", edge=False)
+    kl_off = copy.deepcopy(example_doc("tiny-ppo.yaml")["spec"]["algorithm"]["klPenalty"]) | {"coef": 0.0}
+    spec = spec_of(example_doc, "tiny-ppo.yaml", graph, klPenalty=kl_off)
+    plan = step_plan(trainable_graph(spec, "CPU"), spec)
+    assert "reference" not in plan.colocated and plan.remote == ()
+
+
+# -- the resource plan ----------------------------------------------------------------------------
+
+
+def test_resource_plan_of_a_graph_with_a_reward_pool(example_doc) -> None:
+    graph = {
+        "nodes": [node("actor", "actor_rollout", parallelism=16, GPU=0.5), node("ref", "reference", parallelism=16,
+                                                                                GPU=0.25),
+                  node("score", "reward", pool="reward", parallelism=4, CPU=4),
+                  node("critic", "critic", pool="critic", parallelism=8, GPU=1)],
+        "edges": [{"src": "actor", "dst": "ref", "coLocate": True}, {"src": "actor", "dst": "score"},
+                  {"src": "score", "dst": "critic"}, {"src": "critic", "dst": "actor", "control": True}],
+    }
+    plan = resource_plan(trainable_graph(spec_of(example_doc, "ppo-job.yaml", graph)))
+    assert plan.pools == ("actor", "reward", "critic")
+    assert plan.demand == {"actor": {"GPU": 16.0}, "reward": {"CPU": 16.0}, "critic": {"GPU": 8.0}}
+    assert plan.demand["actor"].largest_bundle == {"GPU": 0.75}
+    assert plan.instance_gpus == {"actor": 0.75, "ref": 0.75, "score": 0.0, "critic": 1.0}
+    assert plan.neighbours == {"reward": "actor"}
+    assert plan.rollout_pool == "actor"
+    assert [tuple(n.name for n in g.nodes) for g in plan.groups] == [("actor", "ref"), ("score",), ("critic",)]
