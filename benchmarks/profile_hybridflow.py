@@ -18,19 +18,19 @@ SEGMENTS = (
     ("worker: rollout, outside the timed compute", "d"),
     ("worker: serialize the rollout batch", "e"),
     ("controller: receive batch, concat, prepare update (no advantages)", "f"),
-    ("controller: serialize the batch into update_actor", "g"),
+    ("controller: serialize the batch into update", "g"),
     ("transit: controller -> worker (update)", "h"),
     ("worker: deserialize the update batch", "i"),
     ("worker: update, outside the timed compute", "j"),
     ("worker: serialize the update result", "k"),
     ("controller: receive result, build the step record", "l"),
 )
-# When the whole step runs in the actor's process (WorkerHost.train_step) there is one call per step.
+# When the plan fuses the step into the actor's process (WorkerHost.run_step) there is one call per step.
 FUSED_SEGMENTS = (
-    ("controller: sample prompts, submit train_step", "a"),
+    ("controller: sample prompts, submit run_step", "a"),
     ("transit: controller -> worker", "b"),
     ("worker: deserialize arguments", "c"),
-    ("worker: train_step, outside the timed compute", "d"),
+    ("worker: run_step, outside the timed compute", "d"),
     ("worker: serialize the step's scalars", "e"),
     ("controller: receive result, build the step record", "l"),
 )
@@ -88,8 +88,8 @@ def profile_hybridflow(job: Any, steps: int, warmup: int = 2) -> dict[str, Any]:
     finally:
         ray.actor.ActorMethod.remote = original
     time.sleep(2.0)  # task events reach the GCS about once a second
-    trainer_fused = trainer._fused()
-    tasks = _task_spans(ray.timeline(), ("rollout", "update_actor", "train_step"))
+    trainer_fused = trainer.plan.fused
+    tasks = _task_spans(ray.timeline(), ("rollout", "update", "run_step"))
     trainer.shutdown()
     rows: dict[str, list[float]] = {}
 
@@ -103,9 +103,9 @@ def profile_hybridflow(job: Any, steps: int, warmup: int = 2) -> dict[str, Any]:
         add("step", t1 - t0)
         add("compute", compute)
         add("advantages (compute, on the controller)", rec["timing/advantages"])
-        fused = next((t for t in mine if t["name"] == "train_step"), None)
+        fused = next((t for t in mine if t["name"] == "run_step"), None)
         if fused is not None:
-            s_fu = next(s for s in sub if s[0] == "train_step")
+            s_fu = next(s for s in sub if s[0] == "run_step")
             add("a", s_fu[2] - t0)
             add("b", fused["start"] - s_fu[2])
             add("c", fused["deserialize"])
@@ -114,9 +114,9 @@ def profile_hybridflow(job: Any, steps: int, warmup: int = 2) -> dict[str, Any]:
             add("l", t1 - fused["end"])
             continue
         ro = next(t for t in mine if t["name"] == "rollout")
-        up = next(t for t in mine if t["name"] == "update_actor")
+        up = next(t for t in mine if t["name"] == "update")
         s_ro = next(s for s in sub if s[0] == "rollout")
-        s_up = next(s for s in sub if s[0] == "update_actor")
+        s_up = next(s for s in sub if s[0] == "update")
         rollout_compute = sum(rec[f"timing/{k}"] for k in ("generate", "reward", "ref_log_probs", "old_log_probs")
                               if f"timing/{k}" in rec)
         update_compute = compute - rollout_compute - rec["timing/advantages"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -19,7 +21,9 @@ def cluster():
     for i in range(2):
         c.add_node(num_cpus=3, num_gpus=2, resources={f"gpu_node_{i}": 1})
     c.wait_for_nodes()
-    ray.init(address=c.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "HYBRIDFLOW_TORCH_THREADS": "1"}})
+    # this checkout's runtime first: an editable install elsewhere must not serve the workers
+    path = os.pathsep.join([str(ROOT / "runtime"), str(ROOT)])
+    ray.init(address=c.address, runtime_env={"env_vars": {"PYTHONPATH": path, "HYBRIDFLOW_TORCH_THREADS": "1"}})
     yield c
     ray.shutdown()
     c.shutdown()

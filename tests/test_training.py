@@ -139,3 +139,23 @@ def test_trainer_runs_in_process_and_reports_scheduler_status(example_doc, tmp_p
         assert status["edges"] == {} or all("latency" in e for e in status["edges"].values())
     finally:
         trainer.shutdown()
+
+
+def test_ppo_with_the_critic_in_the_actors_process_runs_each_step_in_one_call(example_doc, tmp_path) -> None:
+    doc = example_doc("tiny-ppo.yaml")
+    doc["spec"]["graph"] = {
+        "nodes": [{"name": "actor", "role": "actor_rollout", "resources": {"CPU": 1}},
+                  {"name": "score", "role": "reward"}, {"name": "ref", "role": "reference"},
+                  {"name": "critic", "role": "critic", "resources": {"CPU": 1}}],
+        "edges": [{"src": "actor", "dst": n, "coLocate": True} for n in ("score", "ref", "critic")],
+    }
+    job = tiny_job(lambda _: doc, "tiny-ppo.yaml", tmp_path, steps=2)
+    trainer = Trainer(job.model_dump(by_alias=True, mode="json"), str(tmp_path / "m.jsonl"))
+    try:
+        assert trainer.plan.fused and trainer.plan.colocated == ("reward", "reference", "values", "old_log_probs")
+        result = trainer.fit()
+    finally:
+        trainer.shutdown()
+    recs = result["records"]
+    assert [r["step"] for r in recs] == [1, 2]
+    assert all(math.isfinite(r["critic_loss"]) and math.isfinite(r["actor_loss"]) for r in recs)

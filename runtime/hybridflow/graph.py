@@ -8,12 +8,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from hybridflow.api.spec import Graph as GraphSpec
-from hybridflow.api.spec import GraphEdge, GraphNode, RLTrainingJobSpec
+from hybridflow.api.spec import GraphEdge, GraphNode, RLTrainingJobSpec, Role
 
-ROLES = ("actor_rollout", "critic", "reward", "reference")
+ROLES: tuple[Role, ...] = get_args(Role)
 
 
 class GraphError(ValueError):
@@ -286,6 +286,11 @@ def devices_needed(per_instance: float, instances: int, resource: str = "GPU") -
     return float(math.ceil(instances / math.floor(1 / per_instance + 1e-9)))
 
 
+def needs_reference(spec: RLTrainingJobSpec) -> bool:
+    """A reference node scores log-probs only when the spec asks for a KL penalty against it."""
+    return spec.model.reference.enabled and spec.algorithm.kl_penalty.coef > 0
+
+
 def _add_loop(g: DataflowGraph, actor: Node, consumers: Iterable[Node], trainer: Node) -> None:
     for c in consumers:
         g.edge(Edge(actor, c, data_type="rollout_batch", co_locate=c.pool == actor.pool and c.role != "critic",
@@ -307,7 +312,7 @@ def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = 
     consumers: list[Node] = []
     reward_res = {"GPU": 0.25} if gpu and model_reward else {}
     consumers.append(g.node(Node("reward_score", "reward", reward_res, parallelism, "actor")))
-    if spec.model.reference.enabled and spec.algorithm.kl_penalty.coef > 0:
+    if needs_reference(spec):
         consumers.append(g.node(Node("reference", "reference", {"GPU": 0.25} if gpu else {}, parallelism, "actor")))
     trainer = actor
     if algo == "ppo":

@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from hybridflow.api.spec import RLTrainingJobSpec, Role
-from hybridflow.graph import ROLES, ColocationGroup, DataflowGraph, GraphError, Node, spec_graph
+from hybridflow.graph import ROLES, ColocationGroup, DataflowGraph, GraphError, Node, needs_reference, spec_graph
 
 REQUIRED_ROLES: Mapping[str, tuple[Role, ...]] = MappingProxyType({
     "ppo": ("actor_rollout", "reward", "critic"),
@@ -66,13 +66,9 @@ class StepPlan:
     trained: tuple[Node, ...]
     """One node per group of hosts that `update`: the actor, and the critic unless it shares the actor's hosts."""
     phases: tuple[Phase, ...]
+    """rollout, values, advantages, update; no values phase when the critic is absent or in the actor's process."""
     fused: bool
     """Every phase runs on the actor's single host, so the whole step is one call to it."""
-
-
-def needs_reference(spec: RLTrainingJobSpec) -> bool:
-    """A reference node scores log-probs only when the spec asks for a KL penalty against it."""
-    return spec.model.reference.enabled and spec.algorithm.kl_penalty.coef > 0
 
 
 def sequences_per_step(spec: RLTrainingJobSpec) -> int:

@@ -11,20 +11,21 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import ray
 import torch
 
 from hybridflow import algos, checkpoint
-from hybridflow.advantages import batch_stats, compute_advantages
 from hybridflow.api.spec import RLTrainingJob
 from hybridflow.data.prompts import PromptSampler, load_rows
 from hybridflow.metrics import MetricsLog, plot_metrics
 from hybridflow.plan import step_plan, trainable_graph
 from hybridflow.reporting import ProgressReporter
 from hybridflow.scheduler import HybridScheduler
+from hybridflow.scheduler.group import HostGroup
 from hybridflow.scheduler.placement import pin_to_pools
+from hybridflow.step import PhaseResult, UpdateResult, run_step, step_record
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.host import WorkerHost
 
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 # errors that mean a worker process died (Ray restarts it through max_restarts)
 WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
 
 class Trainer:
     """Owns the scheduler, the data position, the KL controller and the checkpoints."""
@@ -42,13 +44,17 @@ class Trainer:
         self.spec = self.job.spec
         if accelerator == "auto":
             accelerator = "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
-        self.accelerator = accelerator
-        self.graph = pin_to_pools(trainable_graph(self.spec, accelerator, parallelism, critic_parallelism),
+        self.accelerator: Literal["GPU", "CPU"] = "GPU" if accelerator == "GPU" else "CPU"
+        self.graph = pin_to_pools(trainable_graph(self.spec, self.accelerator, parallelism, critic_parallelism),
                                   ray.cluster_resources())
         self.plan = step_plan(self.graph, self.spec)
         t = self.spec.trainer
         self.scheduler = HybridScheduler(self.graph, self.spec.scheduling, max_restarts=t.worker_max_restarts,
                                          name_prefix=self.job.metadata.name)
+        self.groups = {n.name: HostGroup(n.name, self.scheduler) for n in self.graph.nodes}
+        self.actor = self.groups[self.plan.actor.name]
+        self.critic = self.groups[self.plan.critic.name] if self.plan.critic is not None else None
+        self.trained = [self.groups[n.name] for n in self.plan.trained]
         rows = load_rows(self.spec.data.train, self.spec.data.prompt_key, self.spec.data.answer_key, t.seed)
         self.sampler = PromptSampler(rows, self.spec.data.batch_size, t.seed, self.spec.data.shuffle)
         kl = self.spec.algorithm.kl_penalty
@@ -125,139 +131,75 @@ class Trainer:
         return [r for r in rows for _ in range(n)], [i for i in range(len(rows)) for _ in range(n)]
 
     def _chunks(self, size: int) -> list[tuple[int, int]]:
-        hosts = len(self.scheduler.hosts(self.plan.actor.name))
-        per = self.spec.scheduling.micro_batch_size or math.ceil(size / hosts)
+        per = self.spec.scheduling.micro_batch_size or math.ceil(size / len(self.actor))
         return [(a, min(a + per, size)) for a in range(0, size, per)]
 
-    def rollout_phase(self, rows: list[dict[str, str]], gids: list[int]) -> tuple[RolloutBatch, dict[str, float]]:
+    def train_step(self, step: int) -> dict[str, Any]:
+        """rollout -> values -> advantages -> update here over the host groups, or in one call on the
+        actor's host when the plan fuses the step; then the record."""
+        t0 = time.perf_counter()
+        rows, gids = self._prompts()
+        kl_coef = self.kl_ctl.value
+        if self.plan.fused:
+            out, = self.actor.call("run_step", list(self.plan.phases), rows, gids, list(self.plan.colocated), kl_coef)
+        else:
+            out = run_step(self, self.plan.phases, rows, gids, self.spec, kl_coef)
+        elapsed = time.perf_counter() - t0
+        if "kl" in out.advantages:
+            self.kl_ctl.update(out.advantages["kl"], int(out.stats["size"]))
+        return step_record(step, out, elapsed, self.kl_ctl.value)
+
+    def rollout_phase(self, rows: list[dict[str, str]], gids: list[int]) -> tuple[RolloutBatch, float]:
         """Generate in chunks; co-located steps run inside the actor's process, remote ones are streamed
-        to their nodes as each chunk completes (through the object store, watched by backpressure)."""
-        actor_name = self.plan.actor.name
-        hosts = self.scheduler.hosts(actor_name)
-        chunks = self._chunks(len(rows))
-        gen_refs = [hosts[i % len(hosts)].rollout.remote(rows[a:b], gids[a:b], list(self.plan.colocated))
-                    for i, (a, b) in enumerate(chunks)]
+        to their nodes as each chunk completes (through the object store, watched by backpressure).
+        Returns the scored batch and the busiest host's compute."""
+        chain = list(self.plan.colocated)
+        dealt = self.actor.deal("rollout", [(rows[a:b], gids[a:b], chain) for a, b in self._chunks(len(rows))])
+        gen_refs = [ref for _, ref in dealt]
         chunk_of = {ref: i for i, ref in enumerate(gen_refs)}
         sent: dict[str, list[int]] = {r.edge: [] for r in self.plan.remote}
-        waiting, turn = list(gen_refs), 0
+        waiting = list(gen_refs)
         while waiting and self.plan.remote:
             done, waiting = ray.wait(waiting, num_returns=1)
             for r in self.plan.remote:
-                consumers = self.scheduler.hosts(r.node.name)
-                self.scheduler.channel(r.edge).put(consumers[turn % len(consumers)].run.remote(r.step.name, done[0]))
+                self.scheduler.channel(r.edge).put(self.groups[r.node.name].next("run", done[0], r.step.name))
                 sent[r.edge].append(chunk_of[done[0]])
-                turn += 1
-        parts = ray.get(gen_refs)
+        parts: list[RolloutBatch] = ray.get(gen_refs)
         self._observe()
         busy: dict[str, float] = {}
-        for i, p in enumerate(parts):
-            _add_busy(busy, f"{actor_name}_{i % len(hosts)}", sum(p.timings.values()))
+        for (host, _), part in zip(dealt, parts, strict=True):
+            _add_busy(busy, f"{self.actor.node}_{host}", sum(part.timings.values()))
         for r in self.plan.remote:
-            for i, out in zip(sent[r.edge], self.scheduler.channel(r.edge).drain(), strict=True):
-                parts[i].tensors.update(out["tensors"])
-                parts[i].add_timing(out["step"], out["seconds"])
-                _add_busy(busy, r.node.name, out["seconds"])
-        batch = RolloutBatch.concat(parts)
-        phase = {f"timing/{k}": v for k, v in batch.timings.items()}
-        phase["compute/rollout"] = max(busy.values())
-        return batch, phase
-
-    def _observe(self) -> None:
-        """One backpressure observation, taken when no generation is in flight (lowering the actor's
-        parallelism then never kills a busy host); hosts added to a trained role get its current state."""
-        self.scheduler.observe()
-        for node in (self.plan.actor, self.plan.critic):
-            if node is None:
-                continue
-            hosts = self.scheduler.hosts(node.name)
-            known = self._host_counts.get(node.name, len(hosts))
-            if len(hosts) > known:
-                state = hosts[0].export_state.remote()
-                ray.get([h.import_state.remote(state) for h in hosts[known:]])
-            self._host_counts[node.name] = len(hosts)
+            results: list[PhaseResult] = self.scheduler.channel(r.edge).drain()
+            for i, res in zip(sent[r.edge], results, strict=True):
+                parts[i].tensors.update(res.tensors)
+                parts[i].add_timing(res.step, res.seconds)
+                _add_busy(busy, r.node.name, res.seconds)
+        return RolloutBatch.concat(parts), max(busy.values())
 
     def values_phase(self, batch: RolloutBatch) -> float:
         """Critic values, data-parallel over the critic's ranks; returns the slowest rank's compute."""
-        hosts = self.scheduler.hosts(self.plan.critic.name)
-        shards = batch.shard(len(hosts))
-        outs = ray.get([h.run.remote("values", s) for h, s in zip(hosts, shards, strict=False)])
-        batch.tensors["values"] = torch.cat([o["tensors"]["values"] for o in outs])
-        return max(o["seconds"] for o in outs)
+        assert self.critic is not None
+        results: list[PhaseResult] = self.critic.map("run", batch, "values")
+        batch.tensors["values"] = torch.cat([r.tensors["values"] for r in results])
+        return max(r.seconds for r in results)
 
-    def update_phase(self, batch: RolloutBatch) -> tuple[dict[str, float], float]:
-        """Actor and critic updates run at the same time on their own ranks."""
-        actors = self.scheduler.hosts(self.plan.actor.name)
-        refs = [h.update_actor.remote(s, self.kl_ctl.value) for h, s in zip(actors, batch.shard(len(actors)),
-                                                                             strict=False)]
-        crefs = []
-        if self.plan.critic is not None:
-            critics = self.scheduler.hosts(self.plan.critic.name)
-            crefs = [h.update_critic.remote(s) for h, s in zip(critics, batch.shard(len(critics)), strict=False)]
-        actor_out = ray.get(refs)
-        critic_out = ray.get(crefs)
-        metrics = dict(actor_out[0])
-        compute = max(o["timing/actor_update_compute"] for o in actor_out)
-        if critic_out:
-            metrics.update(critic_out[0])
-            compute = max(compute, max(o["timing/critic_update_compute"] for o in critic_out))
-        return metrics, compute
+    def update_phase(self, batch: RolloutBatch, kl_coef: float) -> UpdateResult:
+        """Every trained group updates at once on its own shards (a critic on the actor's hosts in the same call)."""
+        refs = [ref for g in self.trained for ref in g.submit("update", batch, kl_coef)]
+        return UpdateResult.slowest(ray.get(refs))
 
-    def _fused(self) -> bool:
-        """True when the whole step can run inside the single actor process (see WorkerHost.train_step)."""
-        return self.plan.fused and self.plan.critic is None
-
-    def train_step(self, step: int) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        rows, gids = self._prompts()
-        if self._fused():
-            host = self.scheduler.hosts(self.plan.actor.name)[0]
-            out = ray.get(host.train_step.remote(rows, gids, list(self.plan.colocated), self.kl_ctl.value))
-            elapsed = time.perf_counter() - t0
-            upd, adv_metrics, stats = out["update"], out["advantages"], out["stats"]
-            rollout_s = sum(out["timings"].values())
-            update_s = upd["timing/actor_update_compute"]
-            phase = {f"timing/{k}": v for k, v in out["timings"].items()}
-            phase.update({"timing/rollout": rollout_s, "timing/advantages": out["advantages_s"],
-                          "timing/update": update_s})
-            compute = rollout_s + out["advantages_s"] + update_s
-        else:
-            batch, phase = self.rollout_phase(rows, gids)
-            compute = phase.pop("compute/rollout")
-            phase["timing/rollout"] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            if self.plan.critic is not None:
-                compute += self.values_phase(batch)
-            phase["timing/values"] = time.perf_counter() - t1
-            t2 = time.perf_counter()
-            adv_metrics = compute_advantages(batch, self.spec, self.kl_ctl.value)
-            phase["timing/advantages"] = time.perf_counter() - t2
-            t3 = time.perf_counter()
-            upd, upd_compute = self.update_phase(batch)
-            phase["timing/update"] = time.perf_counter() - t3
-            compute += upd_compute + phase["timing/advantages"]
-            elapsed = time.perf_counter() - t0
-            stats = batch_stats(batch)
-        if "kl" in adv_metrics:
-            self.kl_ctl.update(adv_metrics["kl"], int(stats["size"]))
-        record: dict[str, Any] = {
-            "step": step,
-            "reward_mean": stats["reward_mean"],
-            "reward_max": stats["reward_max"],
-            "kl": adv_metrics.get("kl", 0.0),
-            "kl_coef": float(self.kl_ctl.value),
-            "actor_loss": upd.get("actor_loss"),
-            "critic_loss": upd.get("critic_loss"),
-            "entropy": upd.get("entropy"),
-            "clip_frac": upd.get("clip_frac"),
-            "response_length": stats["response_length"],
-            "tokens_per_s": stats["tokens"] / elapsed,
-            "policy_version": int(stats["policy_version"]) + 1,
-            "timing/step": elapsed,
-            "orchestration_overhead_frac": max(0.0, 1.0 - compute / elapsed),
-            **phase,
-            **{k: v for k, v in adv_metrics.items() if k != "kl"},
-        }
-        return {k: v for k, v in record.items() if v is not None}
+    def _observe(self) -> None:
+        """One backpressure observation, taken when no generation is in flight (lowering the actor's
+        parallelism then never kills a busy host); hosts added to a trained group get its current state."""
+        self.scheduler.observe()
+        for group in self.trained:
+            hosts = group.hosts
+            known = self._host_counts.get(group.node, len(hosts))
+            if len(hosts) > known:
+                state: ray.ObjectRef = hosts[0].export_state.remote()
+                ray.get([h.import_state.remote(state) for h in hosts[known:]])
+            self._host_counts[group.node] = len(hosts)
 
     # -- checkpoints and recovery -----------------------------------------------------------------
 

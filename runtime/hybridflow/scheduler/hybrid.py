@@ -252,8 +252,9 @@ class HybridScheduler:
             hosts = g.hosts
             if not hosts:
                 continue
-            info, port = ray.get([hosts[0].node_info.remote(), hosts[0].free_port.remote()],
-                                 timeout=self.call_timeout_s)
+            answers: list[Any] = ray.get([hosts[0].node_info.remote(), hosts[0].free_port.remote()],
+                                         timeout=self.call_timeout_s)
+            info, port = answers
             g.slots[0].info = dict(info)
             ip = info["ip"]
             for rank, h in enumerate(hosts):

@@ -9,15 +9,14 @@ import torch
 
 from hybridflow import algos
 from hybridflow.api.spec import RLTrainingJobSpec
-from hybridflow.workers import distributed
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
 from hybridflow.workers.modeling import (
     check_model_dir,
     load_causal_lm,
     load_tokenizer,
-    minibatch_chunks,
     response_log_probs,
 )
+from hybridflow.workers.optim import train_epochs
 from hybridflow.workers.rollout import make_rollout
 
 
@@ -68,50 +67,36 @@ class ActorRolloutWorker:
 
     def update(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
         """PPO epochs over minibatches: loss = clipped surrogate - c_H * H + [beta * KL if mode=loss]."""
-        t0 = time.perf_counter()
         self._check_version(batch)
         algo = self.spec.algorithm
-        self.model.train()
-        adv = batch.tensors["advantages"]
-        mask = batch.response_mask.float()
-        sums: dict[str, float] = {}
-        count = 0
-        for _ in range(algo.ppo_epochs):
-            for idx in minibatch_chunks(len(batch), optimizer_steps(self.spec), self.shuffle):
-                self.optimizer.zero_grad(set_to_none=False)
-                if len(idx) > 0:
-                    mb = batch.slice_index(idx)
-                    logp, ent = response_log_probs(self.model, mb, self.device, with_entropy=True)
-                    m = mask[idx].to(self.device)
-                    loss, metrics = algos.ppo_policy_loss(
-                        mb.tensors["old_log_probs"].to(self.device), logp, adv[idx].to(self.device), m,
-                        clip_low=algo.clip_ratio, clip_high=algo.clip_ratio_high or algo.clip_ratio,
-                        dual_clip_c=algo.dual_clip_c, agg=algo.loss_agg,
-                    )
-                    entropy = algos.agg_loss(ent, m, algo.loss_agg)
-                    total = loss - algo.entropy_coef * entropy
-                    if algo.kl_penalty.mode == "loss" and "ref_log_probs" in mb.tensors:
-                        kl = algos.agg_loss(
-                            algos.kl_penalty(logp, mb.tensors["ref_log_probs"].to(self.device), algo.kl_penalty.type),
-                            m, algo.loss_agg,
-                        )
-                        total = total + kl_coef * kl
-                        metrics["kl_loss"] = kl.item()
-                    total.backward()
-                    metrics.update(actor_loss=loss.item(), entropy=entropy.item())
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                    count += 1
-                distributed.average_gradients(self.model)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.trainer.max_grad_norm)
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
-                self.optimizer.step()
+
+        def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+            logp, ent = response_log_probs(self.model, mb, self.device, with_entropy=True)
+            assert ent is not None
+            m = mb.response_mask.float().to(self.device)
+            loss, metrics = algos.ppo_policy_loss(
+                mb.tensors["old_log_probs"].to(self.device), logp, mb.tensors["advantages"].to(self.device), m,
+                clip_low=algo.clip_ratio, clip_high=algo.clip_ratio_high or algo.clip_ratio,
+                dual_clip_c=algo.dual_clip_c, agg=algo.loss_agg,
+            )
+            entropy = algos.agg_loss(ent, m, algo.loss_agg)
+            total = loss - algo.entropy_coef * entropy
+            if algo.kl_penalty.mode == "loss" and "ref_log_probs" in mb.tensors:
+                kl = algos.agg_loss(
+                    algos.kl_penalty(logp, mb.tensors["ref_log_probs"].to(self.device), algo.kl_penalty.type),
+                    m, algo.loss_agg,
+                )
+                total = total + kl_coef * kl
+                metrics["kl_loss"] = kl.item()
+            metrics.update(actor_loss=loss.item(), entropy=entropy.item())
+            return total, metrics
+
+        out = train_epochs(self.model, self.optimizer, batch, loss_fn, epochs=algo.ppo_epochs,
+                           steps_per_epoch=optimizer_steps(self.spec), shuffle=self.shuffle,
+                           max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device)
         self.version += 1
         self.rollout.sync_weights(self.model)
-        out = {k: v / max(count, 1) for k, v in sums.items() if k != "grad_norm"}
-        out["actor_grad_norm"] = sums.get("grad_norm", 0.0) / max(1, algo.ppo_epochs * optimizer_steps(self.spec))
-        out = distributed.average_scalars(out, self.device)
-        out["timing/actor_update_compute"] = time.perf_counter() - t0
+        out["actor_grad_norm"] = out.pop("grad_norm")
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -9,10 +9,10 @@ import torch
 
 from hybridflow import algos
 from hybridflow.api.spec import RLTrainingJobSpec
-from hybridflow.workers import distributed
 from hybridflow.workers.actor import optimizer_steps
 from hybridflow.workers.batch import RolloutBatch
-from hybridflow.workers.modeling import DTYPES, check_model_dir, minibatch_chunks, position_ids
+from hybridflow.workers.modeling import DTYPES, check_model_dir, position_ids
+from hybridflow.workers.optim import train_epochs
 
 
 class ValueModel(torch.nn.Module):
@@ -59,31 +59,20 @@ class CriticWorker:
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """Clipped value regression towards the GAE returns."""
-        t0 = time.perf_counter()
         algo = self.spec.algorithm
-        self.model.train()
-        sums: dict[str, float] = {}
-        count = 0
-        for _ in range(algo.ppo_epochs):
-            for idx in minibatch_chunks(len(batch), optimizer_steps(self.spec), self.shuffle):
-                self.optimizer.zero_grad(set_to_none=False)
-                if len(idx) > 0:
-                    mb = batch.slice_index(idx)
-                    mask = mb.response_mask.float().to(self.device)
-                    loss, metrics = algos.value_loss(
-                        self._values(mb), mb.tensors["returns"].to(self.device), mb.tensors["values"].to(self.device),
-                        mask, clip=algo.value_clip, agg=algo.loss_agg,
-                    )
-                    loss.backward()
-                    metrics["critic_loss"] = loss.item()
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                    count += 1
-                distributed.average_gradients(self.model)
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.trainer.max_grad_norm)
-                self.optimizer.step()
-        out = distributed.average_scalars({k: v / max(count, 1) for k, v in sums.items()}, self.device)
-        out["timing/critic_update_compute"] = time.perf_counter() - t0
+
+        def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+            loss, metrics = algos.value_loss(
+                self._values(mb), mb.tensors["returns"].to(self.device), mb.tensors["values"].to(self.device),
+                mb.response_mask.float().to(self.device), clip=algo.value_clip, agg=algo.loss_agg,
+            )
+            metrics["critic_loss"] = loss.item()
+            return loss, metrics
+
+        out = train_epochs(self.model, self.optimizer, batch, loss_fn, epochs=algo.ppo_epochs,
+                           steps_per_epoch=optimizer_steps(self.spec), shuffle=self.shuffle,
+                           max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device)
+        out["critic_grad_norm"] = out.pop("grad_norm")
         return out
 
     def state_dict(self) -> dict[str, Any]:

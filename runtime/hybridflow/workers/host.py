@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from hybridflow.advantages import batch_stats, compute_advantages
 from hybridflow.api.spec import RLTrainingJobSpec
-from hybridflow.plan import STEPS
+from hybridflow.plan import STEPS, Phase
+from hybridflow.step import PhaseResult, StepOutput, UpdateResult, run_step
 from hybridflow.workers import distributed
 from hybridflow.workers.actor import ActorRolloutWorker, ReferenceWorker
 from hybridflow.workers.batch import RolloutBatch
@@ -89,35 +89,32 @@ class WorkerHost:
             self._apply(step, batch)
         return batch
 
-    def run(self, step: str, batch: RolloutBatch) -> dict[str, Any]:
+    def run(self, batch: RolloutBatch, step: str) -> PhaseResult:
         """A step for a batch that arrived through the object store; only the new tensors go back."""
         before = set(batch.tensors)
         t0 = time.perf_counter()
         self._apply(step, batch)
-        return {"tensors": {k: v for k, v in batch.tensors.items() if k not in before},
-                "step": step, "seconds": time.perf_counter() - t0}
+        return PhaseResult({k: v for k, v in batch.tensors.items() if k not in before}, step,
+                           time.perf_counter() - t0)
 
     def _apply(self, step: str, batch: RolloutBatch) -> None:
         s = STEPS[step]
         getattr(self.workers[s.role], s.method)(batch)
 
-    def train_step(self, rows: list[dict[str, str]], group_ids: list[int], chain: list[str],
-                   kl_coef: float) -> dict[str, Any]:
-        """A whole GRPO-style step in this process (one actor rank, no critic, nothing remote):
-        one call per step instead of a round trip per phase; only scalars go back."""
-        batch = self.rollout(rows, group_ids, chain)
+    def update(self, batch: RolloutBatch, kl_coef: float) -> UpdateResult:
+        """Train every role this host holds that learns (actor, then critic) on its shard of the batch."""
         t0 = time.perf_counter()
-        adv = compute_advantages(batch, self.spec, kl_coef)
-        t_adv = time.perf_counter() - t0
-        update = self.update_actor(batch, kl_coef)
-        return {"stats": batch_stats(batch), "timings": dict(batch.timings), "advantages": adv,
-                "advantages_s": t_adv, "update": update}
+        metrics: dict[str, float] = {}
+        if "actor_rollout" in self.workers:
+            metrics |= self.workers["actor_rollout"].update(batch, kl_coef)
+        if "critic" in self.workers:
+            metrics |= self.workers["critic"].update(batch)
+        return UpdateResult(metrics, time.perf_counter() - t0)
 
-    def update_actor(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
-        return self.workers["actor_rollout"].update(batch, kl_coef)
-
-    def update_critic(self, batch: RolloutBatch) -> dict[str, float]:
-        return self.workers["critic"].update(batch)
+    def run_step(self, phases: list[Phase], rows: list[dict[str, str]], group_ids: list[int], chain: list[str],
+                 kl_coef: float) -> StepOutput:
+        """A whole step in this process (the plan fused its phases here); only scalars go back."""
+        return run_step(_LocalPhases(self, chain), phases, rows, group_ids, self.spec, kl_coef)
 
     def policy_version(self) -> int:
         return self.workers["actor_rollout"].version
@@ -166,3 +163,20 @@ class WorkerHost:
         self.workers = {}
         self._build()
         return True
+
+
+class _LocalPhases:
+    """The phases of a fused step, run on the host's own workers."""
+
+    def __init__(self, host: WorkerHost, chain: list[str]) -> None:
+        self.host, self.chain = host, chain
+
+    def rollout_phase(self, rows: list[dict[str, str]], group_ids: list[int]) -> tuple[RolloutBatch, float]:
+        batch = self.host.rollout(rows, group_ids, self.chain)
+        return batch, sum(batch.timings.values())
+
+    def values_phase(self, batch: RolloutBatch) -> float:
+        return self.host.run(batch, "values").seconds
+
+    def update_phase(self, batch: RolloutBatch, kl_coef: float) -> UpdateResult:
+        return self.host.update(batch, kl_coef)

@@ -1,0 +1,71 @@
+"""A node's hosts called as one: `map` shards a batch over them, `call` broadcasts, `deal` spreads work.
+
+The hosts are looked up on every call, so a group follows the parallelism backpressure sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, Self
+
+import ray
+from ray.actor import ActorHandle
+
+
+class Shardable(Protocol):
+    def shard(self, n: int) -> Sequence[Self]: ...
+
+
+class HostSource(Protocol):
+    """Where a group finds its hosts: the HybridScheduler."""
+
+    def hosts(self, node_name: str) -> list[ActorHandle]: ...
+
+
+class HostGroup:
+    """The host actors serving one graph node (shared with its co-located nodes), in rank order."""
+
+    def __init__(self, node: str, hosts: HostSource) -> None:
+        self.node = node
+        self._source = hosts
+        self._turn = 0
+
+    @property
+    def hosts(self) -> list[ActorHandle]:
+        return list(self._source.hosts(self.node))
+
+    def __len__(self) -> int:
+        return len(self.hosts)
+
+    def submit(self, method: str, batch: Shardable, *args: Any, shard: bool = True) -> list[ray.ObjectRef]:
+        """`method(part, *args)` on every host: part i is shard i of `batch`, or all of it when shard=False.
+
+        A batch with fewer rows than hosts leaves the last hosts without a call (the plan keeps trained
+        nodes at most as wide as a step's batch, so every data-parallel rank gets rows).
+        """
+        hosts = self.hosts
+        if shard:
+            return [getattr(h, method).remote(part, *args) for h, part in zip(hosts, batch.shard(len(hosts)),
+                                                                               strict=False)]
+        whole = ray.put(batch)
+        return [getattr(h, method).remote(whole, *args) for h in hosts]
+
+    def map(self, method: str, batch: Shardable, *args: Any, shard: bool = True) -> list[Any]:
+        """`submit`, then wait: one result per host that got a part, in rank order."""
+        return ray.get(self.submit(method, batch, *args, shard=shard))
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """`method(*args)` on every host; one result per host, in rank order."""
+        return ray.get([getattr(h, method).remote(*args) for h in self.hosts])
+
+    def deal(self, method: str, calls: Sequence[tuple[Any, ...]]) -> list[tuple[int, ray.ObjectRef]]:
+        """Call i goes to host i mod n (more calls than hosts queue up on each); returns (host, ref) pairs."""
+        hosts = self.hosts
+        return [(i % len(hosts), getattr(hosts[i % len(hosts)], method).remote(*args)) for i, args in enumerate(calls)]
+
+    def next(self, method: str, *args: Any) -> ray.ObjectRef:
+        """`method(*args)` on the next host in turn: chunks streamed to a node spread over its instances."""
+        hosts = self.hosts
+        host = hosts[self._turn % len(hosts)]
+        self._turn += 1
+        return getattr(host, method).remote(*args)

@@ -1,0 +1,118 @@
+"""One training step: rollout -> values -> advantages -> update, and the record it leaves.
+
+`run_step` is the step loop for wherever the phases run: the Trainer runs it over host groups, and a
+WorkerHost runs it in its own process when the plan fuses every phase onto that host (one call per
+step instead of a round trip per phase). The results below are what crosses Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from hybridflow.advantages import batch_stats, compute_advantages
+from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.plan import Phase
+from hybridflow.workers.batch import RolloutBatch
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """A step run on a batch that came through the object store: only the tensors it added go back."""
+
+    tensors: dict[str, torch.Tensor]
+    step: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """Metrics of the roles one host trained (the same on every rank) and the seconds it took."""
+
+    metrics: dict[str, float]
+    seconds: float
+
+    @staticmethod
+    def slowest(results: Sequence[UpdateResult]) -> UpdateResult:
+        """Ranks that update at the same time: their metrics together, the slowest one's seconds."""
+        return UpdateResult({k: v for r in results for k, v in r.metrics.items()}, max(r.seconds for r in results))
+
+
+@dataclass
+class StepOutput:
+    """What a step reports, wherever its phases ran; only scalars, so it is cheap to send back."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time of each phase."""
+    compute: float = 0.0
+    """Worker compute on the critical path (orchestration_overhead_frac = 1 - compute / step time)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Worker-timed parts of the rollout: generate, reward, ref_log_probs, old_log_probs, values."""
+    stats: dict[str, float] = field(default_factory=dict)
+    advantages: dict[str, float] = field(default_factory=dict)
+    update: dict[str, float] = field(default_factory=dict)
+
+    def add(self, phase: Phase, seconds: float, compute: float) -> None:
+        self.seconds[phase] = seconds
+        self.compute += compute
+
+
+class PhaseRunner(Protocol):
+    """Runs the phases that need workers; each returns the worker compute on its critical path."""
+
+    def rollout_phase(self, rows: list[dict[str, str]], group_ids: list[int]) -> tuple[RolloutBatch, float]: ...
+    def values_phase(self, batch: RolloutBatch) -> float: ...
+    def update_phase(self, batch: RolloutBatch, kl_coef: float) -> UpdateResult: ...
+
+
+def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, str]], group_ids: list[int],
+             spec: RLTrainingJobSpec, kl_coef: float) -> StepOutput:
+    """The step loop; `phases` (from the plan) holds "values" when the critic needs a phase of its own."""
+    out = StepOutput()
+    t0 = time.perf_counter()
+    batch, compute = runner.rollout_phase(rows, group_ids)
+    out.timings = dict(batch.timings)
+    out.add("rollout", time.perf_counter() - t0, compute)
+    if "values" in phases:
+        t0 = time.perf_counter()
+        compute = runner.values_phase(batch)
+        out.add("values", time.perf_counter() - t0, compute)
+    t0 = time.perf_counter()
+    out.advantages = compute_advantages(batch, spec, kl_coef)
+    out.stats = batch_stats(batch)
+    seconds = time.perf_counter() - t0
+    out.add("advantages", seconds, seconds)
+    t0 = time.perf_counter()
+    update = runner.update_phase(batch, kl_coef)
+    out.update = update.metrics
+    out.add("update", time.perf_counter() - t0, update.seconds)
+    return out
+
+
+def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> dict[str, Any]:
+    """The metrics record of one step: what the JSONL log, Prometheus and status.progress show."""
+    stats, upd, adv = out.stats, out.update, out.advantages
+    record: dict[str, Any] = {
+        "step": step,
+        "reward_mean": stats["reward_mean"],
+        "reward_max": stats["reward_max"],
+        "kl": adv.get("kl", 0.0),
+        "kl_coef": float(kl_coef),
+        "actor_loss": upd.get("actor_loss"),
+        "critic_loss": upd.get("critic_loss"),
+        "entropy": upd.get("entropy"),
+        "clip_frac": upd.get("clip_frac"),
+        "response_length": stats["response_length"],
+        "tokens_per_s": stats["tokens"] / elapsed,
+        "policy_version": int(stats["policy_version"]) + 1,
+        "timing/step": elapsed,
+        "orchestration_overhead_frac": max(0.0, 1.0 - out.compute / elapsed),
+        **{f"timing/{k}": v for k, v in out.timings.items()},
+        **{f"timing/{k}": v for k, v in out.seconds.items()},
+        **{k: v for k, v in adv.items() if k != "kl"},
+    }
+    return {k: v for k, v in record.items() if v is not None}
