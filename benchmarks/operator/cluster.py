@@ -177,7 +177,7 @@ class OperatorProcess:
         # As deployed, unless a what-if asks for a memory trace.
         module = "hybridflow_operator"
         if self.tracemalloc_out is not None:
-            module = "benchmarks.operator_launch"
+            module = "benchmarks.operator.launch"
             env["BENCH_TRACEMALLOC_OUT"] = str(self.tracemalloc_out)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("ab") as out:
