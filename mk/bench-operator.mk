@@ -10,10 +10,10 @@
 #
 # Needs the control-plane binaries of e2e/ (built on first use when Go is installed: `make toolchain`).
 
-PYTHON ?= .venv/bin/python
 BENCH_OPERATOR_ARGS ?=
 
 .PHONY: bench-operator
 
-bench-operator:
+# --render only reads operator.json: it needs no control plane.
+bench-operator: venv $(if $(filter --render,$(BENCH_OPERATOR_ARGS)),,toolchain)
 	$(PYTHON) -m benchmarks.operator $(BENCH_OPERATOR_ARGS)
