@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:  # `python -m e2e.harness` and the tests import th
 
 from e2e.harness import binaries  # noqa: E402
 from e2e.harness.controlplane import ControlPlane, StartupError  # noqa: E402
+from tests.helpers import in_ci  # noqa: E402
 
 CRDS_DIR = ROOT / "crds"
 CLUSTER_FIXTURES = {"control_plane", "full_cluster", "kuberay_crds", "namespace", "minimal_binaries", "full_binaries"}
@@ -52,10 +53,6 @@ class Plan:
 
 
 PLAN = pytest.StashKey[Plan]()
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def _may_build() -> bool:

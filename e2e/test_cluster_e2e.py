@@ -46,6 +46,7 @@ from e2e.harness.controlplane import (
 from hybridflow.api import API_GROUP
 from hybridflow_operator import names
 from hybridflow_operator.settings import OperatorSettings, from_env
+from tests.helpers import condition, reward_pool_graph, unavailable
 
 pytestmark = pytest.mark.controlplane
 
@@ -68,10 +69,6 @@ GPU = "nvidia.com/gpu"
 FORBIDDEN = re.compile(r"forbidden|error 403\b|\(403\)|not enough (rbac )?permissions", re.IGNORECASE)
 
 T = TypeVar("T")
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 # -- the cluster ------------------------------------------------------------------------------------------
@@ -375,10 +372,7 @@ def helm_binary() -> str:
     found = binaries.find("helm") or shutil.which("helm")
     if found:
         return str(found)
-    why = "helm not found: run `bash e2e/toolchain/build.sh helm` (needs Go) or put helm on PATH"
-    if in_ci():
-        pytest.fail(why, pytrace=False)
-    pytest.skip(why)
+    unavailable("helm not found: run `bash e2e/toolchain/build.sh helm` (needs Go) or put helm on PATH")
 
 
 def helm(kube: KubectlClient, *args: str, timeout: float = 180.0) -> str:
@@ -500,11 +494,6 @@ def job_of(e2e: E2E, namespace: str, name: str) -> dict[str, Any]:
     job = get(e2e, "rltrainingjob", namespace, name)
     assert job is not None, f"RLTrainingJob {namespace}/{name} is gone"
     return job
-
-
-def condition(job: dict[str, Any], kind: str) -> dict[str, Any]:
-    conditions = (job.get("status") or {}).get("conditions") or []
-    return next((c for c in conditions if c["type"] == kind), {})
 
 
 def ray_pods(e2e: E2E, namespace: str, job: str | None = None, terminating: bool = False) -> list[dict[str, Any]]:
@@ -653,20 +642,8 @@ def test_reward_pods_share_nodes_with_the_actor_when_the_layout_asks(e2e: E2E, n
     a100 = e2e.products("A100-80GB")
     e2e.fleet.require("the co-location layout (2 actor + 1 critic pods of 8 GPUs)", a100, 3)
     doc = example_job(e2e, ns, "colocated")
-    doc["spec"]["graph"] = {  # a reward function in a pool of its own, fed by the actor: placed next to it
-        "nodes": [
-            {"name": "actor", "role": "actor_rollout", "resources": {"GPU": 1}, "parallelism": 16, "pool": "actor"},
-            {"name": "ref", "role": "reference", "resources": {}, "parallelism": 16, "pool": "actor"},
-            {"name": "score", "role": "reward", "resources": {"CPU": 4}, "parallelism": 4, "pool": "reward"},
-            {"name": "critic", "role": "critic", "resources": {"GPU": 1}, "parallelism": 8, "pool": "critic"},
-        ],
-        "edges": [
-            {"src": "actor", "dst": "ref", "coLocate": True},
-            {"src": "actor", "dst": "score", "dataType": "rollout_batch"},
-            {"src": "score", "dst": "critic", "dataType": "rewarded_batch"},
-            {"src": "critic", "dst": "actor", "control": True},
-        ],
-    }
+    # a reward function in a pool of its own, fed by the actor: placed next to it
+    doc["spec"]["graph"] = reward_pool_graph({"CPU": 4})
     reward = {"name": "reward", "replicas": 2, "gpusPerWorker": 0, "cpusPerWorker": 16, "memory": "64Gi"}
     if e2e.shrink:
         reward |= {"cpusPerWorker": 1, "memory": "512Mi"}

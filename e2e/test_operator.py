@@ -26,6 +26,7 @@ from e2e.harness.controlplane import ControlPlane, eventually, free_port, tail
 from hybridflow_operator import names
 from hybridflow_operator.render import render_children
 from hybridflow_operator.settings import OperatorSettings
+from tests.helpers import condition
 
 pytestmark = pytest.mark.controlplane
 
@@ -170,10 +171,6 @@ def job_of(cp: ControlPlane, namespace: str, name: str) -> dict:
     found = get(cp, "rltrainingjob", namespace, name)
     assert found is not None
     return found
-
-
-def condition(job: dict, kind: str) -> dict:
-    return next((c for c in (job.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
 
 
 def wait_job(

@@ -746,14 +746,18 @@ class ControlPlane(KubectlClient):
         for f in files:
             args += ["-f", str(f)]
         names = self.kubectl(*args, timeout=self.timeout).stdout.split()
-        if names:
-            self.kubectl(
-                "wait",
-                "--for=condition=Established",
-                f"--timeout={int(self.timeout)}s",
-                *names,
-                timeout=self.timeout + 10,
-            )
+        for attempt in range(1, 4):
+            if not names:
+                break
+            wait = ["wait", "--for=condition=Established", f"--timeout={int(self.timeout)}s", *names]
+            result = self.kubectl(*wait, check=False, timeout=self.timeout + 10)
+            # `kubectl wait` fails at once, instead of waiting, on a CRD the API server has not yet given any
+            # status conditions ("accessor error"): ask again.
+            if result.returncode == 0:
+                break
+            if attempt == 3 or "accessor error" not in result.stderr:
+                raise KubectlError(result.returncode, [kubectl_binary(), *wait], result.stdout, result.stderr)
+            time.sleep(1)
         return names
 
     def wait_for_service_account(self, namespace: str, name: str = "default", timeout: float | None = None) -> None:
