@@ -4,6 +4,8 @@
 #                                           GRPO job (~6 minutes on 2 cores): benchmarks/results/runtime.json,
 #                                           runtime.png and the table in benchmarks/README.md
 #   make bench-runtime BENCH_ARGS=--quick   smoke run, 4 steps, outputs under runs/ only
+#   make bench-runtime BENCH_ARGS=--render  redraw runtime.png and the README section from runtime.json
+#                                           (prose: benchmarks/templates/runtime.md)
 
 BENCH_ARGS ?=
 

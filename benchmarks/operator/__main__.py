@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import write_section
 from benchmarks.operator import report
 from benchmarks.operator.summarise import (
     FormatError,
@@ -59,7 +60,7 @@ def write_outputs(raw: Mapping[str, Any], out: Path, official: bool) -> None:
     report.plot(doc, out / "operator.png")
     block = report.readme_block(doc)
     if official:
-        report.write_readme(README, block)
+        write_section(README, report.BEGIN, report.END, block)
     else:
         (out / "README-operator.md").write_text(block + "\n")
     print(f"wrote {out / 'operator.json'} and {out / 'operator.png'}" + (f" and {README}" if official else ""))

@@ -15,12 +15,10 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from typing import Any
 import psutil
 import yaml
 
+from benchmarks.common import RssSampler
 from e2e.harness import certs
 from e2e.harness.controlplane import A100, ControlPlane, NodePool, free_port, tail, write_kubeconfig
 
@@ -100,48 +99,6 @@ def bench_fleet(max_jobs: int, head_cpus: int, submitter_cpus: float = 1.0) -> l
 
 
 # -- the operator process ----------------------------------------------------------------------------------
-
-
-@dataclass
-class RssSampler:
-    """Polls the resident set size of a process and its children; keeps the peak and a time series."""
-
-    pid: int
-    interval: float = 0.1
-    peak_bytes: int = 0
-    series: list[tuple[float, int]] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> RssSampler:
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def sample(self) -> int:
-        """Current RSS of the process tree in bytes (0 once it is gone)."""
-        try:
-            proc = psutil.Process(self.pid)
-            total = proc.memory_info().rss
-            for child in proc.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    total += child.memory_info().rss
-        except psutil.Error:
-            return 0
-        return total
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            rss = self.sample()
-            if rss:
-                self.peak_bytes = max(self.peak_bytes, rss)
-                self.series.append((time.time(), rss))
-            self._stop.wait(self.interval)
 
 
 def high_water_mark_bytes(pid: int) -> int | None:

@@ -10,9 +10,9 @@ import re
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from string import Template
 from typing import Any
 
+from benchmarks.common import Text
 from benchmarks.operator.summarise import (
     TARGETS,
     design_summary,
@@ -23,7 +23,6 @@ from benchmarks.operator.summarise import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = ROOT / "benchmarks" / "templates" / "operator.md"
 BEGIN, END = "<!-- operator-bench:start -->", "<!-- operator-bench:end -->"
 WRAP = 112
 KEEP = "\x00"  # a space that textwrap does not break at
@@ -46,28 +45,6 @@ BEFORE_AFTER_ROWS = (
     ("operator CPU s", lambda r: fmt(r.get("operator_cpu_s"), "", 1)),
     ("other processes' CPU s", lambda r: fmt(r.get("other_processes_cpu_s"), "", 0)),
 )
-
-
-def load_template(path: Path = TEMPLATE) -> dict[str, Template]:
-    """The sections of a template file: `%% name` lines open them; a section's last newline is dropped."""
-    sections: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in path.read_text().splitlines(keepends=True):
-        if line.startswith("%% "):
-            current = sections.setdefault(line[3:].strip(), [])
-        elif current is not None:
-            current.append(line)
-    return {name: Template("".join(lines).removesuffix("\n")) for name, lines in sections.items()}
-
-
-class Text:
-    """The template's sections, filled in by name."""
-
-    def __init__(self, path: Path = TEMPLATE) -> None:
-        self.sections = load_template(path)
-
-    def __call__(self, name: str, **values: Any) -> str:
-        return self.sections[name].substitute(values)
 
 
 def fmt(value: Any, unit: str = "", digits: int = 2) -> str:
@@ -102,7 +79,7 @@ def short_path(line: str) -> str:
 
 def readme_block(doc: Mapping[str, Any], text: Text | None = None) -> str:
     """The operator section of benchmarks/README.md, markers included, from a summarised run."""
-    text = text or Text()
+    text = text or Text("operator.md")
     env = doc["environment"]
     sizes = doc["sizes"]
     rows = []
@@ -325,17 +302,6 @@ def reflow(markdown: str, width: int = WRAP) -> str:
             item.append(line)
     flush()
     return "\n".join(out) + ("\n" if markdown.endswith("\n") else "")
-
-
-def write_readme(path: Path, block: str) -> None:
-    """Replace the operator section between its markers, or append it; other sections stay."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
 
 
 # -- the plot -----------------------------------------------------------------------------------------------
