@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,14 +34,8 @@ import pytest
 import yaml
 
 from e2e.harness import binaries
-from e2e.harness.controlplane import (
-    ControlPlane,
-    KubectlClient,
-    KubectlError,
-    eventually,
-    free_port,
-    tail,
-)
+from e2e.harness.controlplane import ControlPlane, KubectlClient, KubectlError, eventually
+from e2e.harness.operator import OperatorProcess
 from hybridflow.api import API_GROUP
 from hybridflow_operator import names
 from hybridflow_operator.settings import OperatorSettings, from_env
@@ -205,7 +198,7 @@ class Operator(Protocol):
     def describe(self) -> str: ...
 
 
-class LocalOperator:
+class LocalOperator(OperatorProcess):
     """`python -m hybridflow_operator` on this machine, as the chart's Deployment would run it.
 
     Command, arguments and environment come from the installed Deployment; the credentials are a
@@ -214,28 +207,27 @@ class LocalOperator:
 
     def __init__(self, kube: ControlPlane, deployment: dict[str, Any], work_dir: Path) -> None:
         self.kube = kube
-        self.work_dir = work_dir
-        self.log_path = work_dir / "operator.log"
         self.kubeconfig = work_dir / "operator.kubeconfig"
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
         pod = deployment["spec"]["template"]["spec"]
         self.service_account = pod.get("serviceAccountName") or "default"
         self.user = f"system:serviceaccount:{RELEASE_NAMESPACE}:{self.service_account}"
-        container = operator_container(deployment)
-        self.env = container_env(container, RELEASE_NAMESPACE)
-        self.settings = from_env(self.env)
-        self.argv = self._argv(container)
+        self.container = operator_container(deployment)
+        container_vars = container_env(self.container, RELEASE_NAMESPACE)
+        self.settings = from_env(container_vars)
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("HYBRIDFLOW_", "KUBERNETES_SERVICE_")) and k != "KUBECONFIG"
+        }
+        env |= container_vars | {"KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        super().__init__(work_dir / "operator.log", env, cwd=work_dir)
+        self.argv()  # the chart's command must be one this suite can run: fail now, not at start
 
-    @property
-    def liveness(self) -> str:
-        return f"http://127.0.0.1:{self.port}/healthz"
-
-    def _argv(self, container: dict[str, Any]) -> list[str]:
-        command = list(container.get("command") or [])
+    def argv(self) -> list[str]:
+        command = list(self.container.get("command") or [])
         if not command or not Path(command[0]).name.startswith("python"):
             raise AssertionError(f"the chart's operator command {command} is not `python ...`: cannot run it here")
-        args = list(container.get("args") or [])
+        args = list(self.container.get("args") or [])
         if "--liveness" in args:
             raise AssertionError("the chart passes `--liveness VALUE`; the e2e suite expects `--liveness=VALUE`")
         # Same flags, but the liveness endpoint on a free loopback port instead of 0.0.0.0:8080.
@@ -264,45 +256,12 @@ class LocalOperator:
         self.kubeconfig.write_text(yaml.safe_dump(config, sort_keys=False))
         self.kubeconfig.chmod(0o600)
 
-    def start(self) -> None:
+    def start(self, timeout: float = START_S) -> None:
         self.write_kubeconfig()
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("HYBRIDFLOW_", "KUBERNETES_SERVICE_")) and k != "KUBECONFIG"
-        }
-        env |= self.env | {"KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
-        with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.work_dir
-            )
-        eventually(self._healthy, START_S, f"operator liveness endpoint {self.liveness}\n{self.describe()}")
-
-    def _healthy(self) -> bool:
-        if not self.alive():
-            raise AssertionError(f"the operator exited with {self.proc.returncode if self.proc else None}")
-        with urllib.request.urlopen(self.liveness, timeout=2) as resp:
-            return resp.status == 200
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc is None or not self.alive():
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        super().start(timeout)
 
     def describe(self) -> str:
-        state = "running" if self.alive() else f"exited ({self.proc.returncode if self.proc else 'never started'})"
-        return f"local operator as {self.user}, {state}; log {self.log_path}:\n{tail(self.log_path, 40)}"
+        return f"local operator as {self.user}, {super().describe()}"
 
 
 class InClusterOperator:
