@@ -15,7 +15,6 @@ from typing import Any
 from benchmarks.common import Text
 from benchmarks.operator.summarise import (
     TARGETS,
-    design_summary,
     headline_value,
     other_runs,
     request_groups,
@@ -32,8 +31,8 @@ CPU_COLUMNS = (("kube-apiserver", "API server"), ("etcd", "etcd"), ("kuberay-ope
                ("operator", "hybridflow operator"), ("benchmark", "benchmark"), ("other", "other processes"))
 STAGES = ("react", "apply")
 BEFORE_AFTER_ROWS = (
-    ("apply→RayJob p50 / p99", lambda r: f"{fmt(r.get('p50_apply_to_rayjob_s'), '', 3)} / "
-                                         f"{fmt(r.get('p99_apply_to_rayjob_s'), ' s', 3)}"),
+    ("apply→RayJob p50 / p99", lambda r: f"{fmt(r['apply_to_rayjob_s'].get('p50'), '', 3)} / "
+                                         f"{fmt(r['apply_to_rayjob_s'].get('p99'), ' s', 3)}"),
     ("every RayJob exists", lambda r: fmt(r.get("every_rayjob_exists_s"), " s", 1)),
     ("all pods bound (KubeRay alone)", lambda r: f"{fmt(r.get('pods_bound_s'), ' s', 1)} "
                                                  f"({fmt(r.get('kuberay_alone_pods_bound_s'), ' s', 1)})"),
@@ -43,7 +42,7 @@ BEFORE_AFTER_ROWS = (
                f"{fmt(r.get('api_requests_per_job_until_quiet'), '', 1)}"),
     ("operator peak RSS", lambda r: fmt(r.get("operator_peak_rss_mb"), " MB", 1)),
     ("operator CPU s", lambda r: fmt(r.get("operator_cpu_s"), "", 1)),
-    ("other processes' CPU s", lambda r: fmt(r.get("other_processes_cpu_s"), "", 0)),
+    ("other processes' CPU s", lambda r: fmt(r.get("machine_other_cpu_s"), "", 0)),
 )
 
 
@@ -99,8 +98,7 @@ def readme_block(doc: Mapping[str, Any], text: Text | None = None) -> str:
     before = (doc.get("previous_design") or {}).get("sizes") or {}
     checks = []
     for key, v in doc["targets"].items():
-        size, _, metric = key.partition(".")
-        previous = (before.get(size.removeprefix("n")) or {}).get(metric)
+        previous = headline_value(before, key)
         seen = [x for x in (headline_value(summary, key) for summary in others.values()) if x is not None]
         checks.append(text(
             "check", key=key, measured=fmt(v["measured"], "", 3), target=v["target_at_most"],
@@ -254,8 +252,9 @@ def before_after(doc: Mapping[str, Any], text: Text) -> str:
     before = doc.get("previous_design")
     if not before:
         return ""
-    now = design_summary(doc)
-    rows = [f"| {label} | " + " | ".join(f"{cell(before['sizes'].get(n) or {})} | {cell(now[n])}" for n in now) + " |"
+    now = run_summary(doc)
+    then = {n: before["sizes"].get(n) or {"apply_to_rayjob_s": {}} for n in now}
+    rows = [f"| {label} | " + " | ".join(f"{cell(then[n])} | {cell(now[n])}" for n in now) + " |"
             for label, cell in BEFORE_AFTER_ROWS]
     commit, machine = before.get("git_commit_at_start"), before.get("machine")
     return text("before_after", design=before["design"], rows="\n".join(rows),

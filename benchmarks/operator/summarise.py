@@ -141,7 +141,8 @@ def results_file(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def run_summary(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """The operator-side figures of a summarised run, per N: what `--attach` keeps of another run."""
+    """The figures of a summarised run, per N: what `--attach` keeps of another run, `previous_design` of the
+    run a new official one replaces, and the before/after table compares."""
     out: dict[str, Any] = {}
     for n, size in doc["sizes"].items():
         ours = size["hybridflow"]
@@ -153,6 +154,7 @@ def run_summary(doc: Mapping[str, Any]) -> dict[str, Any]:
             "pods_bound_s": ours["pods_bound_s"],
             "operator_peak_rss_mb": ours["operator_peak_rss_mb"],
             "operator_cpu_s": ours["cpu_s"].get("operator"),
+            "api_requests_per_job_until_pods_bound": ours["api_requests"]["per_job_until_pods_bound"],
             "api_requests_per_job_until_quiet": ours["api_requests"]["per_job_until_quiet"],
             "api_server_time_ms": ours["api_requests"]["server_time_ms"],
             "machine_other_cpu_s": ours["cpu_s"].get("other"),
@@ -185,28 +187,6 @@ def headline_value(summary: Mapping[str, Any], key: str) -> float | None:
     return run.get(metric)
 
 
-def design_summary(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """The figures of a summarised run that the before/after table compares, per N."""
-    out: dict[str, Any] = {}
-    for n, size in doc["sizes"].items():
-        ours, alone = size["hybridflow"], size["kuberay_alone"]
-        requests = ours.get("api_requests") or {}
-        out[n] = {
-            "p50_apply_to_rayjob_s": ours["apply_to_rayjob_s"].get("p50"),
-            "p99_apply_to_rayjob_s": ours["apply_to_rayjob_s"].get("p99"),
-            "every_rayjob_exists_s": ours.get("every_rayjob_exists_s"),
-            "pods_bound_s": ours.get("pods_bound_s"),
-            "kuberay_alone_pods_bound_s": alone.get("pods_bound_s"),
-            "pods_bound_overhead_ratio": size.get("pods_bound_overhead_ratio"),
-            "api_requests_per_job_until_pods_bound": requests.get("per_job_until_pods_bound"),
-            "api_requests_per_job_until_quiet": requests.get("per_job_until_quiet"),
-            "operator_peak_rss_mb": ours.get("operator_peak_rss_mb"),
-            "operator_cpu_s": (ours.get("cpu_s") or {}).get("operator"),
-            "other_processes_cpu_s": (ours.get("cpu_s") or {}).get("other"),
-        }
-    return out
-
-
 def previous_design(old: Mapping[str, Any]) -> dict[str, Any]:
     """What a new official result keeps of the one it replaces: that file's own `previous_design` when it has
     one (carried over), else that file's figures."""
@@ -215,7 +195,7 @@ def previous_design(old: Mapping[str, Any]) -> dict[str, Any]:
     env = old["environment"]
     commit = env.get("git_commit_at_start")
     return {"design": f"the operator at commit {commit}", "git_commit_at_start": commit,
-            "machine": env.get("machine"), "sizes": design_summary(summarise(old))}
+            "machine": env.get("machine"), "sizes": run_summary(summarise(old))}
 
 
 def request_groups(by_kind: Mapping[str, float]) -> dict[str, float]:
