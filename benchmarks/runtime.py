@@ -113,9 +113,9 @@ def run_system(system: str, steps: int, result: Path) -> dict[str, Any]:
             elif system == "naive_ray":
                 from benchmarks.naive_ray import run_naive
 
-                result = run_naive(job.spec, steps)
-                records = result.records
-                extra["batch_shape"] = list(result.batch_shape)
+                naive = run_naive(job.spec, steps)
+                records = naive.records
+                extra["batch_shape"] = list(naive.batch_shape)
             else:
                 raise ValueError(f"unknown system {system!r}")
         finally:

@@ -143,8 +143,8 @@ def findings(doc: Mapping[str, Any], text: Text) -> str:
                   + " | ".join(p50_p99(ours[n]["apply_to_rayjob_stages_s"][k]) for n in sizes) + " |" for k in stages]
     stage_rows.append(f"| {text('stage_total')} | " + " | ".join(p50_p99(ours[n]["apply_to_rayjob_s"]) for n in sizes)
                       + " |")
-    worst = {n: max(stages, key=lambda k, n=n: ours[n]["apply_to_rayjob_stages_s"][k]["p99"] or 0)
-             for n in sizes} if stages else {}
+    p99 = {n: {k: ours[n]["apply_to_rayjob_stages_s"][k]["p99"] or 0 for k in stages} for n in sizes}
+    worst = {n: max(p99[n], key=p99[n].__getitem__) for n in sizes} if stages else {}
     largest = ""
     if worst and len(set(worst.values())) == 1:
         largest = text("largest_one", stage=worst[small], where=f"N = {small}" if len(sizes) == 1 else "every N")
