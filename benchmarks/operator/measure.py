@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 import platform
 import shutil
@@ -27,7 +28,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 from kubernetes import client, config
@@ -197,7 +198,8 @@ class Bench:
         for group, version, plural in (("ray.io", "v1", "rayjobs"), ("ray.io", "v1", "rayclusters"),
                                        ("hybridflow.io", "v1alpha1", "rltrainingjobs")):
             with contextlib.suppress(ApiException):
-                for item in custom.list_namespaced_custom_object(group, version, ns, plural)["items"]:
+                listed = custom.list_namespaced_custom_object(group, version, ns, plural)
+                for item in cast(dict[str, Any], listed)["items"]:
                     if item["metadata"].get("finalizers"):
                         with contextlib.suppress(ApiException):
                             custom.patch_namespaced_custom_object(
@@ -224,7 +226,7 @@ class Bench:
                 obj["metadata"].pop("ownerReferences", None)
         tracker = NamespaceTracker(self.watch_api, ns).start()
         cpu0 = self.cpu_snapshot()
-        t0, t_applied, errors = self.apply([lambda objs=objs: self._create_all(objs) for objs in children])
+        t0, t_applied, errors = self.apply([functools.partial(self._create_all, objs) for objs in children])
         done = self.wait_bound(tracker, n, timeout, rayjobs=True)
         t_end = time.time()
         cpu1 = self.cpu_snapshot()
@@ -253,7 +255,7 @@ class Bench:
             idle_rss = op.sampler.sample() if op.sampler else 0
             cpu0 = self.cpu_snapshot({"operator": op.proc.pid} if op.proc else None)
             jobs = [bench_job(name, ns) for name in job_names(n)]
-            t0, t_applied, errors = self.apply([lambda job=job: create(self.api, job) for job in jobs])
+            t0, t_applied, errors = self.apply([functools.partial(create, self.api, job) for job in jobs])
             done = self.wait_bound(tracker, n, timeout, rayjobs=True)
             t_bound = time.time()
             t_quiet = self._wait_quiet(t_bound)
@@ -401,7 +403,7 @@ def create(api: client.ApiClient, obj: Mapping[str, Any]) -> None:
                             _request_timeout=30)
     response.read()
     if not 200 <= response.status <= 299:
-        raise ApiException(status=response.status, reason=response.data.decode(errors="replace")[:300])
+        raise ApiException(status=response.status, reason=(response.data or b"").decode(errors="replace")[:300])
 
 
 def _api_client(kubeconfig: Path, pool: int) -> client.ApiClient:
