@@ -1,24 +1,30 @@
 # hybridflow: `make run` trains the tiny model locally; `make test` runs the whole suite.
-# Heavy builds (the Kubernetes binaries) and downloads live in $(HYBRIDFLOW_CACHE), outside the repo.
+# Every target works from a fresh clone: each depends on what it needs (the venv, the control-plane
+# binaries, helm) and builds it first. Heavy builds (the Kubernetes binaries) and downloads live in
+# $(HYBRIDFLOW_CACHE), outside the repo.
 
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 HYBRIDFLOW_CACHE ?= $(HOME)/.cache/hybridflow
 export HYBRIDFLOW_CACHE
 PYTEST_ARGS ?=
+# The venv is (re)installed when the content of pyproject.toml changes, not its mtime: worktrees and fresh
+# clones of the same pyproject.toml share one venv without reinstalling it. uv's cache (~/.cache/uv) keeps an
+# install to a minute or two.
+VENV_STAMP := $(VENV)/.installed-$(firstword $(shell cksum < pyproject.toml))
 
 .PHONY: all venv run run-grpo test lint unit e2e e2e-kind toolchain cluster-up cluster-down bench clean
 
 all: test
 
-# The venv is rebuilt when pyproject.toml changes; uv's download cache (~/.cache/uv) makes that quick.
-$(VENV)/.installed: pyproject.toml
+$(VENV_STAMP):
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check uv
 	$(VENV)/bin/uv pip install -q --python $(PYTHON) -e '.[runtime,operator,dev]'
+	rm -f $(VENV)/.installed-*
 	touch $@
 
-venv: $(VENV)/.installed
+venv: $(VENV_STAMP)
 
 run: venv
 	$(PYTHON) -m hybridflow run examples/tiny-ppo.yaml
@@ -28,6 +34,7 @@ run-grpo: venv
 
 lint: venv
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m mypy
 	$(PYTHON) -m hybridflow.api.crd --check
 
 # Everything: unit, real Ray, and the control-plane tests (built from Go modules on first use).
@@ -37,6 +44,7 @@ test: lint
 unit: venv
 	$(PYTHON) -m pytest -q -ra tests $(PYTEST_ARGS)
 
+# The control-plane binaries (Go needed; a binary already in the cache is not rebuilt: seconds when warm).
 toolchain:
 	bash e2e/toolchain/build.sh
 
@@ -53,11 +61,11 @@ cluster-down: venv
 	$(PYTHON) -m e2e.harness down
 
 clean:
-	rm -rf runs .pytest_cache .ruff_cache
+	rm -rf runs .pytest_cache .ruff_cache .mypy_cache
 
--include mk/crds.mk
--include mk/bench.mk
--include mk/bench-operator.mk
+include mk/crds.mk
+include mk/bench.mk
+include mk/bench-operator.mk
 
 # Side-by-side benchmarks; results land in benchmarks/results and the tables in benchmarks/README.md.
-bench: venv toolchain bench-runtime bench-operator
+bench: bench-runtime bench-operator

@@ -2,6 +2,7 @@
 
     python -m benchmarks.runtime            # 30 steps per system, 2 rounds: results/ and README.md
     python -m benchmarks.runtime --quick    # smoke run: 4 steps, 1 round, written under runs/ only
+    python -m benchmarks.runtime --render   # redraw runtime.png and the README section from runtime.json
 
 Each system runs in a fresh child process, one after the other (hybridflow, naive Ray, TRL, then again),
 so memory and Ray sessions never mix; this process samples the child's whole process tree (driver, Ray's
@@ -18,10 +19,13 @@ import platform
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
+
+from benchmarks.common import RssSampler, Text, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "tiny-grpo.yaml"
@@ -32,6 +36,7 @@ SYSTEMS = ("hybridflow", "naive_ray", "trl")
 LABELS = {"hybridflow": "hybridflow", "naive_ray": "naive Ray", "trl": "TRL GRPOTrainer"}
 WARMUP = 2
 BEGIN, END = "<!-- runtime-bench:begin -->", "<!-- runtime-bench:end -->"
+FORMAT = 1  # the layout of runtime.json; bump it when the layout changes (no readers for older ones are kept)
 TARGETS = {"ratio_vs_naive_ray": 1.5, "ratio_vs_trl": 1.0, "orchestration_overhead_frac": 0.05}
 OVERHEAD_DEFINITIONS = {
     "hybridflow": "its own metric orchestration_overhead_frac: 1 - worker compute on the critical path / step time",
@@ -108,9 +113,9 @@ def run_system(system: str, steps: int, result: Path) -> dict[str, Any]:
             elif system == "naive_ray":
                 from benchmarks.naive_ray import run_naive
 
-                result = run_naive(job.spec, steps)
-                records = result.records
-                extra["batch_shape"] = list(result.batch_shape)
+                naive = run_naive(job.spec, steps)
+                records = naive.records
+                extra["batch_shape"] = list(naive.batch_shape)
             else:
                 raise ValueError(f"unknown system {system!r}")
         finally:
@@ -121,68 +126,14 @@ def run_system(system: str, steps: int, result: Path) -> dict[str, Any]:
 # -- the parent: launch, sample memory, summarise -----------------------------------------------------
 
 
-class RssSampler(threading.Thread):
-    """Peak of the summed RSS over a process and all its descendants (Ray daemons and workers included)."""
-
-    def __init__(self, pid: int, interval_s: float = 0.25) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.interval_s = pid, interval_s
-        self.peak_bytes = 0
-        self.peak_processes = 0
-        self.peak_by_process: dict[str, float] = {}
-        self._done = threading.Event()
-
-    def _tree(self) -> list[Any]:
-        import psutil
-
-        try:
-            root = psutil.Process(self.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def _label(self, proc: Any) -> str:
-        """`driver`, a Ray worker's class (`ray::WorkerHost`, `ray::IDLE`), a daemon's name or script."""
-        if proc.pid == self.pid:
-            return "driver"
-        cmd = proc.cmdline()
-        if cmd and cmd[0].startswith("ray::"):
-            return cmd[0].split()[0].split(".")[0]
-        name = proc.name()
-        scripts = [Path(a).name for a in cmd[1:] if a.endswith(".py")]
-        return f"{name} {scripts[0]}" if name.startswith("python") and scripts else name
-
-    def sample(self) -> None:
-        import psutil
-
-        rss: list[tuple[Any, int]] = []
-        for p in self._tree():
-            try:
-                rss.append((p, p.memory_info().rss))
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        total = sum(r for _, r in rss)
-        self.peak_processes = max(self.peak_processes, len(rss))
-        if total <= self.peak_bytes:
-            return
-        self.peak_bytes = total
-        by: dict[str, float] = {}
-        for p, r in rss:
-            try:
-                label = self._label(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                label = "exited"
-            by[label] = by.get(label, 0.0) + r / 2**20
-        self.peak_by_process = {k: round(v, 1) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
-
-    def run(self) -> None:
-        while not self._done.is_set():
-            self.sample()
-            self._done.wait(self.interval_s)
-
-    def stop(self) -> None:
-        self._done.set()
-        self.join()
+def process_label(proc: psutil.Process) -> str:
+    """A Ray worker's class (`ray::WorkerHost`, `ray::IDLE`), a daemon's name or a Python script's name."""
+    cmd = proc.cmdline()
+    if cmd and cmd[0].startswith("ray::"):
+        return cmd[0].split()[0].split(".")[0]
+    name = proc.name()
+    scripts = [Path(a).name for a in cmd[1:] if a.endswith(".py")]
+    return f"{name} {scripts[0]}" if name.startswith("python") and scripts else name
 
 
 def launch(system: str, steps: int, workdir: Path, timeout_s: float, tag: str = "", tries: int = 2) -> dict[str, Any]:
@@ -209,8 +160,8 @@ def launch_once(system: str, steps: int, workdir: Path, timeout_s: float, tag: s
     load_before = os.getloadavg()
     with log_path.open("w") as log:
         child = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        sampler = RssSampler(child.pid)
-        sampler.start()
+        sampler = RssSampler(child.pid, interval=0.25,
+                             label=lambda p: "driver" if p.pid == child.pid else process_label(p)).start()
         try:
             rc = child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -295,8 +246,6 @@ def versions() -> dict[str, str]:
 
 
 def machine() -> dict[str, Any]:
-    import psutil
-
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "gpu": "none (CPU run)"}
@@ -365,11 +314,10 @@ def _fmt(v: Any, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
 
-def markdown(report: dict[str, Any]) -> str:
-    """The generated block of README.md: table, ratios against targets, configuration."""
-    rows = ["| system | tokens/s | median step (s) | p90 step (s) | orchestration overhead | peak RSS (MiB) "
-            "| processes | reward start → end | median step, each round (s) |",
-            "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+def markdown(report: dict[str, Any], text: Text | None = None) -> str:
+    """The runtime section of README.md, markers included: table, ratios against targets, configuration."""
+    text = text or Text("runtime.md")
+    rows = []
     for name, s in report["systems"].items():
         each = " / ".join(f"{r['median_step_s']:.3f}" for r in s["rounds"])
         rows.append(
@@ -378,107 +326,39 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {s['reward_start']:.3f} → {s['reward_end']:.3f} | {each} |"
         )
     checks = []
-    names = {"ratio_vs_naive_ray": "hybridflow / naive Ray tokens/s", "ratio_vs_trl": "hybridflow / TRL tokens/s",
-             "orchestration_overhead_frac": "hybridflow orchestration overhead"}
     for key, t in report["targets"].items():
-        op = "≤" if key == "orchestration_overhead_frac" else "≥"
-        shown = f"{t['value']:.1%}" if key == "orchestration_overhead_frac" else f"{t['value']:.2f}x"
-        target = f"{t['target']:.0%}" if key == "orchestration_overhead_frac" else f"{t['target']:.1f}x"
-        checks.append(f"- {names[key]}: **{shown}** (target {op} {target}: {'met' if t['met'] else 'missed'})")
+        frac = key == "orchestration_overhead_frac"
+        checks.append(text(f"check_{key}", value=f"{t['value']:.1%}" if frac else f"{t['value']:.2f}",
+                           target=f"{t['target']:.0%}" if frac else f"{t['target']:.1f}",
+                           verdict="met" if t["met"] else "missed"))
     c, m, v = report["config"], report["machine"], report["versions"]
     loads = "; ".join(f"{LABELS[n]} " + ", ".join(f"{r['load_avg_1min_at_start']:.1f}" for r in s["rounds"])
                       for n, s in report["systems"].items())
-    reading = []
+    paragraphs = []
     per = {n: (s["median_step_s"] * 1e3, s["orchestration_overhead_frac"]) for n, s in report["systems"].items()}
     if all(f is not None for _, f in per.values()):
-        reading = ["", "Per median step, compute on the critical path + orchestration: " + "; ".join(
-            f"{LABELS[n]} {t * (1 - f):.1f} + {t * f:.1f} ms" for n, (t, f) in per.items()) + "."]
+        reading = text("reading", parts="; ".join(
+            f"{LABELS[n]} {t * (1 - f):.1f} + {t * f:.1f} ms" for n, (t, f) in per.items()))
         if "hybridflow" in per and "naive_ray" in per:
             bound = per["naive_ray"][0] / (per["hybridflow"][0] * (1 - per["hybridflow"][1]))
-            reading.append(f"With no orchestration at all, hybridflow would reach at most {bound:.2f}x the naive "
-                           "loop's step rate on this workload: the rest of any gap is compute.")
-    breakdown = []
+            reading += "\n" + text("reading_bound", bound=f"{bound:.2f}")
+        paragraphs.append(reading)
     prof = report.get("hybridflow_step_breakdown")
     if prof:
-        breakdown = [
-            "",
-            f"Where a hybridflow step goes (median of {prof['measured_steps']} steps, "
-            f"`benchmarks/profile_hybridflow.py`): step {prof['median_step_ms']:.1f} ms, "
-            f"compute {prof['median_compute_ms']:.1f} ms (advantages on the controller "
-            f"{prof['median_advantages_ms']:.1f} ms); an empty actor call takes "
-            f"{prof['actor_call_round_trip_ms']:.2f} ms.",
-            "",
-            "| segment of the step outside worker compute | median ms |",
-            "|---|---:|",
-            *[f"| {k} | {v:.2f} |" for k, v in prof["segments_ms"].items()],
-            f"| **sum** | **{prof['segments_sum_ms']:.2f}** |",
-        ]
-    return "\n".join([
-        BEGIN,
-        RUNTIME_INTRO,
-        f"Generated by `python -m benchmarks.runtime` on {report['created']}: {c['steps']} steps per system and "
-        f"round, {c['rounds']} rounds, first {c['warmup_steps_excluded']} steps excluded; "
-        f"{c['prompts_per_step']} prompts x {c['samples_per_prompt']} samples = {c['sequences_per_step']} sequences "
-        f"per step, {c['max_response_length']} response tokens max, "
-        f"minibatch {c['mini_batch_size']}, lr {c['lr']:g}, {c['torch_threads_per_process']} torch thread(s) per "
-        f"process. Machine: {m['cpus']} CPUs, {m['memory_gib']} GiB, {m['gpu']}; 1-minute load average at each "
-        f"start (per round): {loads}. torch {v['torch']}, ray {v['ray']}, transformers {v['transformers']}, "
-        f"trl {v['trl']}.",
-        "",
-        *rows,
-        "",
-        *checks,
-        f"- pooled over every round instead: hybridflow / naive Ray {_fmt(report['ratio_vs_naive_ray_pooled'], '.2f')}"
-        f"x, hybridflow / TRL {_fmt(report['ratio_vs_trl_pooled'], '.2f')}x",
-        *reading,
-        *breakdown,
-        "",
-        "![step times and tokens/s](results/runtime.png)",
-        END,
-    ])
-
-
-RUNTIME_INTRO = """\
-## Runtime: hybridflow vs a naive Ray loop vs TRL
-
-`make bench-runtime` (or `python -m benchmarks.runtime [--steps N] [--rounds R] [--quick]`) trains the same
-GRPO job, `examples/tiny-grpo.yaml` (the built-in tiny Llama and task), with three systems one after the
-other, each in a fresh process: **hybridflow** (single controller; actor, reference and reward co-located in
-one worker process), a **naive Ray** loop (`naive_ray.py`: one actor per role, every batch fetched by the
-driver and put back into the object store; the same worker classes, so the compute is identical and only
-the orchestration differs) and **TRL's GRPOTrainer** in one process (`trl_grpo.py`: same model directory,
-reward function, batch, group size, completion length, learning rate, KL coefficient and optimiser steps per
-batch; no vLLM, logging, evaluation or checkpoints). The sequence runs twice by default (`--rounds`) and
-each system's figures come from its least-disturbed round, the one with the lowest median step time: other
-processes on a shared machine only ever add time. Every round's figures, and those pooled over all rounds,
-are in `results/runtime.json`.
-
-What is measured, leaving out the first two (warm-up) steps of every run: **tokens/s** is response tokens
-generated (up to and including EOS) divided by step time, totals over the measured steps; a **step** is one
-RL step (sample prompts, generate, score, reference and old log-probs, advantages, optimiser steps);
-**orchestration overhead** is the share of a step not spent in compute on the critical path (hybridflow's own
-metric; the same definition for the naive loop; for TRL the time outside generate, forward, backward,
-optimiser and reward); **peak RSS** is the largest sum of resident memory over every process involved (driver,
-Ray's daemons and workers, sampled every 0.25 s; pages shared between processes count in each). The last
-table splits hybridflow's orchestration time into its parts (`profile_hybridflow.py`). Per-step curves, the
-compute breakdown of every system and memory by process are in `results/runtime.json`.
-"""
-README_TEMPLATE = "# Benchmarks\n\n{block}\n"
-
-
-def write_readme(report: dict[str, Any], path: Path) -> None:
-    """Replace the block between the markers, or create the file around it."""
-    block = markdown(report)
-    if path.is_file():
-        text = path.read_text()
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            text = head + block + rest.split(END, 1)[1]
-        else:
-            text = text.rstrip() + "\n\n" + block + "\n"
-    else:
-        text = README_TEMPLATE.format(block=block)
-    path.write_text(text)
+        paragraphs.append(text(
+            "breakdown", steps=prof["measured_steps"], step_ms=f"{prof['median_step_ms']:.1f}",
+            compute_ms=f"{prof['median_compute_ms']:.1f}", advantages_ms=f"{prof['median_advantages_ms']:.1f}",
+            call_ms=f"{prof['actor_call_round_trip_ms']:.2f}", sum_ms=f"{prof['segments_sum_ms']:.2f}",
+            rows="\n".join(f"| {k} | {v:.2f} |" for k, v in prof["segments_ms"].items())))
+    body = text(
+        "readme", created=report["created"], steps=c["steps"], rounds=c["rounds"], warmup=c["warmup_steps_excluded"],
+        prompts=c["prompts_per_step"], samples=c["samples_per_prompt"], sequences=c["sequences_per_step"],
+        max_response=c["max_response_length"], minibatch=c["mini_batch_size"], lr=f"{c['lr']:g}",
+        threads=c["torch_threads_per_process"], cpus=m["cpus"], memory=m["memory_gib"], gpu=m["gpu"], loads=loads,
+        torch=v["torch"], ray=v["ray"], transformers=v["transformers"], trl=v["trl"], rows="\n".join(rows),
+        checks="\n".join(checks), pooled_naive=_fmt(report["ratio_vs_naive_ray_pooled"], ".2f"),
+        pooled_trl=_fmt(report["ratio_vs_trl_pooled"], ".2f"), paragraphs="".join("\n\n" + p for p in paragraphs))
+    return f"{BEGIN}\n{body}\n{END}"
 
 
 def plot(report: dict[str, Any], out: Path) -> Path:
@@ -557,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, help="where runtime.json and runtime.png go (default benchmarks/results)")
     p.add_argument("--readme", type=Path, help="Markdown file whose generated block is updated")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per system and round")
+    p.add_argument("--render", action="store_true", help="only redraw the plot and README section from runtime.json")
     p.add_argument("--worker", choices=(*SYSTEMS, "profile"), help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -567,12 +448,18 @@ def main(argv: list[str] | None = None) -> int:
         raw = run_system(args.worker, steps, args.result)
         args.result.write_text(json.dumps(raw))
         return 0
+    out_dir = args.out_dir or (QUICK_OUT if args.quick else RESULTS)
+    readme = args.readme or (None if args.quick else README)
+    if args.render:
+        report = json.loads((out_dir / "runtime.json").read_text())
+        if report.get("format") != FORMAT:
+            p.error(f"{out_dir / 'runtime.json'}: results format {report.get('format')!r}, this code reads {FORMAT}")
+        write_outputs(report, out_dir, readme)
+        return 0
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
-    out_dir = args.out_dir or (QUICK_OUT if args.quick else RESULTS)
-    readme = args.readme or (None if args.quick else README)
     workdir = ROOT / "runs" / ("bench-runtime-quick" if args.quick else "bench-runtime")
     workdir.mkdir(parents=True, exist_ok=True)
     from hybridflow.data.tiny import ensure_tiny_model
@@ -589,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"overhead {_fmt(s['orchestration_overhead_frac'], '.1%')}, peak RSS {s['peak_rss_mib']:.0f} MiB, "
                   f"wall {s['rounds'][0]['wall_s']:.0f} s", flush=True)
     summaries = {s: summarise(raws[s], WARMUP) for s in systems}
-    report = build_report(summaries, steps, WARMUP)
+    report = {"format": FORMAT, **build_report(summaries, steps, WARMUP)}
     report["config"]["rounds"] = rounds
     if "hybridflow" in systems and not args.no_profile:
         print(f"[bench] breakdown of hybridflow's step, {max(steps, 12)} steps ...", flush=True)
@@ -598,15 +485,19 @@ def main(argv: list[str] | None = None) -> int:
         except RuntimeError as e:
             print(f"[bench] the breakdown failed, writing the rest: {e}", flush=True)
     report["bench_wall_s"] = round(time.perf_counter() - t_start, 1)
+    write_outputs(report, out_dir, readme)
+    print(json.dumps({k: report[k] for k in ("ratio_vs_naive_ray", "ratio_vs_trl", "orchestration_overhead_frac")}))
+    print(f"[bench] done in {report['bench_wall_s']:.0f} s")
+    return 0
+
+
+def write_outputs(report: dict[str, Any], out_dir: Path, readme: Path | None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "runtime.json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out_dir / "runtime.png")
     if readme is not None:
-        write_readme(report, readme)
-    print(json.dumps({k: report[k] for k in ("ratio_vs_naive_ray", "ratio_vs_trl", "orchestration_overhead_frac")}))
-    print(f"[bench] wrote {out_dir / 'runtime.json'}, {out_dir / 'runtime.png'}"
-          + (f", {readme}" if readme else "") + f" in {report['bench_wall_s']:.0f} s")
-    return 0
+        write_section(readme, BEGIN, END, markdown(report))
+    print(f"[bench] wrote {out_dir / 'runtime.json'}, {out_dir / 'runtime.png'}" + (f", {readme}" if readme else ""))
 
 
 if __name__ == "__main__":

@@ -29,9 +29,11 @@ if str(ROOT) not in sys.path:  # `python -m e2e.harness` and the tests import th
 
 from e2e.harness import binaries  # noqa: E402
 from e2e.harness.controlplane import ControlPlane, StartupError  # noqa: E402
+from tests.helpers import in_ci  # noqa: E402
 
 CRDS_DIR = ROOT / "crds"
-CLUSTER_FIXTURES = {"control_plane", "full_cluster", "kuberay_crds", "namespace"}
+CLUSTER_FIXTURES = {"control_plane", "full_cluster", "kuberay_crds", "namespace", "minimal_binaries", "full_binaries"}
+FULL_FIXTURES = {"full_cluster", "full_binaries"}
 HOW_TO_ENABLE = (
     "install Go >= 1.24 (the binaries are then built once into {cache}, 25-45 min on 2 cores, "
     "or run e2e/toolchain/build.sh), or set KUBEBUILDER_ASSETS to a directory holding etcd and "
@@ -51,10 +53,6 @@ class Plan:
 
 
 PLAN = pytest.StashKey[Plan]()
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def _may_build() -> bool:
@@ -91,7 +89,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if not any(names & CLUSTER_FIXTURES for names in wanted):
         return
     try:
-        if any("full_cluster" in names for names in wanted):
+        if any(names & FULL_FIXTURES for names in wanted):
             plan.full_skip_reason = _obtain(binaries.FULL, config)
             plan.full = plan.full_skip_reason is None
         plan.skip_reason = _obtain(binaries.MINIMAL, config)
@@ -115,20 +113,29 @@ def _plan(request: pytest.FixtureRequest) -> Plan:
     return plan
 
 
-def _start(full: bool, tmp_path_factory: pytest.TempPathFactory, attempts: int = 3) -> ControlPlane:
-    """Start a control plane; ports are picked free but may be grabbed before use: then retry."""
-    crd_dirs = [CRDS_DIR] if CRDS_DIR.is_dir() else []
+def _start(full: bool, tmp_path_factory: pytest.TempPathFactory) -> ControlPlane:
+    """Start a control plane (a component whose port was taken meanwhile moves to another: the harness)."""
     stem = "full-cluster" if full else "control-plane"
-    for attempt in range(1, attempts + 1):
-        work_dir = tmp_path_factory.mktemp(stem)  # pytest keeps the last few runs: logs stay readable
-        cp = ControlPlane(full=full, work_dir=work_dir, crd_dirs=crd_dirs, allow_build=False)
-        try:
-            return cp.start()
-        except (StartupError, binaries.MissingBinariesError) as exc:
-            if "address already in use" in str(exc) and attempt < attempts:
-                continue
-            pytest.fail(f"{stem} did not start: {exc}", pytrace=False)
-    raise AssertionError("unreachable")
+    work_dir = tmp_path_factory.mktemp(stem)  # pytest keeps the last few runs: logs stay readable
+    cp = ControlPlane(full=full, work_dir=work_dir, crd_dirs=[CRDS_DIR] if CRDS_DIR.is_dir() else [],
+                      allow_build=False)
+    try:
+        return cp.start()
+    except (StartupError, binaries.MissingBinariesError) as exc:
+        pytest.fail(f"{stem} did not start: {exc}", pytrace=False)
+
+
+@pytest.fixture
+def minimal_binaries(request: pytest.FixtureRequest) -> None:
+    """For tests that start a control plane of their own: etcd, kube-apiserver and kubectl are there."""
+    _plan(request)
+
+
+@pytest.fixture
+def full_binaries(request: pytest.FixtureRequest) -> None:
+    """For tests that start a full control plane of their own: every binary it runs is there."""
+    if not _plan(request).full:
+        pytest.skip(_plan(request).full_skip_reason or "the full control plane is unavailable")
 
 
 @pytest.fixture(scope="session")

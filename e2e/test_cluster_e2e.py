@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,17 +34,12 @@ import pytest
 import yaml
 
 from e2e.harness import binaries
-from e2e.harness.controlplane import (
-    ControlPlane,
-    KubectlClient,
-    KubectlError,
-    eventually,
-    free_port,
-    tail,
-)
+from e2e.harness.controlplane import ControlPlane, KubectlClient, KubectlError, eventually
+from e2e.harness.operator import OperatorProcess
 from hybridflow.api import API_GROUP
 from hybridflow.k8s import names
 from hybridflow_operator.settings import OperatorSettings, from_env
+from tests.helpers import condition, reward_pool_graph, unavailable
 
 pytestmark = pytest.mark.controlplane
 
@@ -68,10 +62,6 @@ GPU = "nvidia.com/gpu"
 FORBIDDEN = re.compile(r"forbidden|error 403\b|\(403\)|not enough (rbac )?permissions", re.IGNORECASE)
 
 T = TypeVar("T")
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 # -- the cluster ------------------------------------------------------------------------------------------
@@ -208,7 +198,7 @@ class Operator(Protocol):
     def describe(self) -> str: ...
 
 
-class LocalOperator:
+class LocalOperator(OperatorProcess):
     """`python -m hybridflow_operator` on this machine, as the chart's Deployment would run it.
 
     Command, arguments and environment come from the installed Deployment; the credentials are a
@@ -217,28 +207,27 @@ class LocalOperator:
 
     def __init__(self, kube: ControlPlane, deployment: dict[str, Any], work_dir: Path) -> None:
         self.kube = kube
-        self.work_dir = work_dir
-        self.log_path = work_dir / "operator.log"
         self.kubeconfig = work_dir / "operator.kubeconfig"
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
         pod = deployment["spec"]["template"]["spec"]
         self.service_account = pod.get("serviceAccountName") or "default"
         self.user = f"system:serviceaccount:{RELEASE_NAMESPACE}:{self.service_account}"
-        container = operator_container(deployment)
-        self.env = container_env(container, RELEASE_NAMESPACE)
-        self.settings = from_env(self.env)
-        self.argv = self._argv(container)
+        self.container = operator_container(deployment)
+        container_vars = container_env(self.container, RELEASE_NAMESPACE)
+        self.settings = from_env(container_vars)
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("HYBRIDFLOW_", "KUBERNETES_SERVICE_")) and k != "KUBECONFIG"
+        }
+        env |= container_vars | {"KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
+        super().__init__(work_dir / "operator.log", env, cwd=work_dir)
+        self.argv()  # the chart's command must be one this suite can run: fail now, not at start
 
-    @property
-    def liveness(self) -> str:
-        return f"http://127.0.0.1:{self.port}/healthz"
-
-    def _argv(self, container: dict[str, Any]) -> list[str]:
-        command = list(container.get("command") or [])
+    def argv(self) -> list[str]:
+        command = list(self.container.get("command") or [])
         if not command or not Path(command[0]).name.startswith("python"):
             raise AssertionError(f"the chart's operator command {command} is not `python ...`: cannot run it here")
-        args = list(container.get("args") or [])
+        args = list(self.container.get("args") or [])
         if "--liveness" in args:
             raise AssertionError("the chart passes `--liveness VALUE`; the e2e suite expects `--liveness=VALUE`")
         # Same flags, but the liveness endpoint on a free loopback port instead of 0.0.0.0:8080.
@@ -267,45 +256,12 @@ class LocalOperator:
         self.kubeconfig.write_text(yaml.safe_dump(config, sort_keys=False))
         self.kubeconfig.chmod(0o600)
 
-    def start(self) -> None:
+    def start(self, timeout: float = START_S) -> None:
         self.write_kubeconfig()
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("HYBRIDFLOW_", "KUBERNETES_SERVICE_")) and k != "KUBECONFIG"
-        }
-        env |= self.env | {"KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
-        with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.work_dir
-            )
-        eventually(self._healthy, START_S, f"operator liveness endpoint {self.liveness}\n{self.describe()}")
-
-    def _healthy(self) -> bool:
-        if not self.alive():
-            raise AssertionError(f"the operator exited with {self.proc.returncode if self.proc else None}")
-        with urllib.request.urlopen(self.liveness, timeout=2) as resp:
-            return resp.status == 200
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc is None or not self.alive():
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        super().start(timeout)
 
     def describe(self) -> str:
-        state = "running" if self.alive() else f"exited ({self.proc.returncode if self.proc else 'never started'})"
-        return f"local operator as {self.user}, {state}; log {self.log_path}:\n{tail(self.log_path, 40)}"
+        return f"local operator as {self.user}, {super().describe()}"
 
 
 class InClusterOperator:
@@ -375,10 +331,7 @@ def helm_binary() -> str:
     found = binaries.find("helm") or shutil.which("helm")
     if found:
         return str(found)
-    why = "helm not found: run `bash e2e/toolchain/build.sh helm` (needs Go) or put helm on PATH"
-    if in_ci():
-        pytest.fail(why, pytrace=False)
-    pytest.skip(why)
+    unavailable("helm not found: run `bash e2e/toolchain/build.sh helm` (needs Go) or put helm on PATH")
 
 
 def helm(kube: KubectlClient, *args: str, timeout: float = 180.0) -> str:
@@ -500,11 +453,6 @@ def job_of(e2e: E2E, namespace: str, name: str) -> dict[str, Any]:
     job = get(e2e, "rltrainingjob", namespace, name)
     assert job is not None, f"RLTrainingJob {namespace}/{name} is gone"
     return job
-
-
-def condition(job: dict[str, Any], kind: str) -> dict[str, Any]:
-    conditions = (job.get("status") or {}).get("conditions") or []
-    return next((c for c in conditions if c["type"] == kind), {})
 
 
 def ray_pods(e2e: E2E, namespace: str, job: str | None = None, terminating: bool = False) -> list[dict[str, Any]]:
@@ -653,20 +601,8 @@ def test_reward_pods_share_nodes_with_the_actor_when_the_layout_asks(e2e: E2E, n
     a100 = e2e.products("A100-80GB")
     e2e.fleet.require("the co-location layout (2 actor + 1 critic pods of 8 GPUs)", a100, 3)
     doc = example_job(e2e, ns, "colocated")
-    doc["spec"]["graph"] = {  # a reward function in a pool of its own, fed by the actor: placed next to it
-        "nodes": [
-            {"name": "actor", "role": "actor_rollout", "resources": {"GPU": 1}, "parallelism": 16, "pool": "actor"},
-            {"name": "ref", "role": "reference", "resources": {}, "parallelism": 16, "pool": "actor"},
-            {"name": "score", "role": "reward", "resources": {"CPU": 4}, "parallelism": 4, "pool": "reward"},
-            {"name": "critic", "role": "critic", "resources": {"GPU": 1}, "parallelism": 8, "pool": "critic"},
-        ],
-        "edges": [
-            {"src": "actor", "dst": "ref", "coLocate": True},
-            {"src": "actor", "dst": "score", "dataType": "rollout_batch"},
-            {"src": "score", "dst": "critic", "dataType": "rewarded_batch"},
-            {"src": "critic", "dst": "actor", "control": True},
-        ],
-    }
+    # a reward function in a pool of its own, fed by the actor: placed next to it
+    doc["spec"]["graph"] = reward_pool_graph({"CPU": 4})
     reward = {"name": "reward", "replicas": 2, "gpusPerWorker": 0, "cpusPerWorker": 16, "memory": "64Gi"}
     if e2e.shrink:
         reward |= {"cpusPerWorker": 1, "memory": "512Mi"}

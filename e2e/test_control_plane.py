@@ -5,15 +5,19 @@ If these fail, every cluster test built on top would fail for reasons unrelated 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from e2e.harness import A100, binaries
+from e2e.harness import A100, binaries, controlplane
 from e2e.harness.controlplane import ControlPlane, eventually
 
 pytestmark = pytest.mark.controlplane
@@ -279,3 +283,68 @@ def test_deleting_a_raycluster_removes_its_pods(full_cluster: ControlPlane, name
     eventually(lambda: len(ray_pods(full_cluster, namespace, "gc")) == 2, WAIT_S, "KubeRay creates the pods")
     full_cluster.kubectl("delete", "raycluster", "gc", "-n", namespace, f"--timeout={WAIT_S:.0f}s")
     eventually(lambda: not ray_pods(full_cluster, namespace, "gc"), WAIT_S, "the RayCluster's pods are deleted")
+
+
+# --- ports taken between picking and binding ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def ports_taken(monkeypatch: pytest.MonkeyPatch, count: int) -> Iterator[list[int]]:
+    """`count` loopback ports held in LISTEN by this process, as another process would hold them; the
+    harness's next free_port() hands out the first of them once more (a second collision in a row)."""
+    sockets = []
+    for _ in range(count):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        sockets.append(s)
+    held = [s.getsockname()[1] for s in sockets]
+    again = held[:1]
+    real = controlplane.free_port
+    monkeypatch.setattr(controlplane, "free_port", lambda: again.pop(0) if again else real())
+    try:
+        yield held
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def bind_errors(cp: ControlPlane, component: str) -> int:
+    return (cp.work_dir / "logs" / f"{component}.log").read_text().count("address already in use")
+
+
+def test_etcd_and_apiserver_move_off_ports_taken_before_they_bind(
+    minimal_binaries: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cp = ControlPlane(work_dir=tmp_path / "cp", install_kuberay_crds=False, allow_build=False)
+    fields = ("etcd_client", "etcd_peer", "apiserver")
+    with ports_taken(monkeypatch, len(fields)) as held:
+        for field, port in zip(fields, held, strict=True):
+            setattr(cp.ports, field, port)  # picked, then taken by someone else
+        try:
+            cp.start()  # every first start fails to bind, and so does etcd's first restart
+            assert not {getattr(cp.ports, f) for f in fields} & set(held)
+            assert cp.kubectl("get", "namespace", "default", "-o", "name").stdout.strip() == "namespace/default"
+            assert cp.server in cp.kubeconfig.read_text()
+            assert bind_errors(cp, "etcd") >= 2
+            assert bind_errors(cp, "kube-apiserver") >= 1
+        finally:
+            cp.stop()
+
+
+def test_controllers_and_kuberay_move_off_ports_taken_before_they_bind(
+    full_binaries: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cp = ControlPlane(full=True, work_dir=tmp_path / "cp", allow_build=False)
+    fields = ("controller_manager", "scheduler", "kwok", "kuberay_metrics", "kuberay_probe")
+    with ports_taken(monkeypatch, len(fields)) as held:
+        for field, port in zip(fields, held, strict=True):
+            setattr(cp.ports, field, port)
+        try:
+            cp.start()
+            assert not {getattr(cp.ports, f) for f in fields} & set(held)
+            assert all(p.running() for p in cp.processes.values())
+            for name in ("kube-controller-manager", "kube-scheduler", "kwok", "kuberay-operator"):
+                assert bind_errors(cp, name) >= 1, name
+        finally:
+            cp.stop()

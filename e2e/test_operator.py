@@ -10,7 +10,6 @@ session as the cluster tests (e2e/test_cluster_e2e.py), which use the separate `
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -22,17 +21,18 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.harness.controlplane import ControlPlane, eventually, free_port, tail
+from e2e.harness.controlplane import ControlPlane, eventually
+from e2e.harness.operator import OperatorProcess
 from hybridflow.k8s import names
 from hybridflow.k8s.render import render_children
 from hybridflow.k8s.settings import RenderSettings
+from tests.helpers import condition
 
 pytestmark = pytest.mark.controlplane
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_NAME = "rltrainingjobs.hybridflow.io"
 WAIT_S = 60.0
-START_S = 60.0
 CHILD_KINDS = (
     "configmap",
     "serviceaccount",
@@ -40,67 +40,6 @@ CHILD_KINDS = (
     "rolebinding.rbac.authorization.k8s.io",
     "rayjob.ray.io",
 )
-
-
-# -- the operator process -------------------------------------------------------------------------------
-
-
-class OperatorProcess:
-    """`python -m hybridflow_operator` against the test control plane, with its log kept for failures."""
-
-    def __init__(self, cp: ControlPlane, log: Path) -> None:
-        self.cp = cp
-        self.log = log
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    @property
-    def liveness(self) -> str:
-        return f"http://127.0.0.1:{self.port}/healthz"
-
-    def start(self) -> None:
-        env = {
-            **self.cp.env,
-            "HYBRIDFLOW_STATUS_INTERVAL": "600",
-            "HYBRIDFLOW_LOG_LEVEL": "INFO",
-            "PYTHONUNBUFFERED": "1",
-        }
-        with self.log.open("ab") as out:
-            out.write(f"\n===== start {self.starts + 1} =====\n".encode())
-            out.flush()
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hybridflow_operator", "--liveness", self.liveness],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-            )
-        self.starts += 1
-        eventually(self._healthy, START_S, f"operator liveness endpoint {self.liveness}\n{self.tail()}")
-
-    def _healthy(self) -> bool:
-        if not self.alive():
-            raise AssertionError(f"operator exited with {self.proc.returncode if self.proc else None}")
-        with urllib.request.urlopen(self.liveness, timeout=2) as resp:
-            return resp.status == 200
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, *, hard: bool = False) -> None:
-        if not self.alive():
-            return
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL if hard else signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def tail(self, lines: int = 40) -> str:
-        return tail(self.log, lines) if self.log.exists() else ""
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +68,9 @@ def operator(
 ) -> Iterator[OperatorProcess]:
     # These tests play KubeRay's part; a KubeRay operator in the same control plane would race them.
     assert "kuberay-operator" not in control_plane.processes, "control_plane must run no KubeRay operator"
-    op = OperatorProcess(control_plane, tmp_path_factory.mktemp("operator") / "operator.log")
+    env = {**control_plane.env, "HYBRIDFLOW_STATUS_INTERVAL": "600", "HYBRIDFLOW_LOG_LEVEL": "INFO",
+           "PYTHONUNBUFFERED": "1"}
+    op = OperatorProcess(tmp_path_factory.mktemp("operator") / "operator.log", env)
     op.start()
     try:
         yield op
@@ -170,10 +111,6 @@ def job_of(cp: ControlPlane, namespace: str, name: str) -> dict:
     found = get(cp, "rltrainingjob", namespace, name)
     assert found is not None
     return found
-
-
-def condition(job: dict, kind: str) -> dict:
-    return next((c for c in (job.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
 
 
 def wait_job(

@@ -1,14 +1,15 @@
-# Benchmark targets (included from the top-level Makefile).
+# Runtime benchmark (included from the top-level Makefile).
 #
 #   make bench-runtime                      hybridflow vs a naive Ray loop vs TRL's GRPOTrainer on the tiny
 #                                           GRPO job (~6 minutes on 2 cores): benchmarks/results/runtime.json,
 #                                           runtime.png and the table in benchmarks/README.md
 #   make bench-runtime BENCH_ARGS=--quick   smoke run, 4 steps, outputs under runs/ only
+#   make bench-runtime BENCH_ARGS=--render  redraw runtime.png and the README section from runtime.json
+#                                           (prose: benchmarks/templates/runtime.md)
 
-PYTHON ?= .venv/bin/python
 BENCH_ARGS ?=
 
 .PHONY: bench-runtime
 
-bench-runtime:
+bench-runtime: venv
 	$(PYTHON) -m benchmarks.runtime $(BENCH_ARGS)

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from hybridflow.api import crd as crdgen
+from tests.helpers import minimal_apiserver, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "hybridflow"
@@ -34,10 +35,6 @@ NAMESPACE = "hybridflow-system"
 # asked; the chart requires 1.29+ (CEL validation rules), so say which version to render for.
 KUBE_VERSION = "1.34.0"
 BUILD_HINT = "build it with `bash e2e/toolchain/build.sh helm` (needs Go), or set HELM / put helm on PATH"
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 def _harness_binaries() -> Any:
@@ -70,10 +67,7 @@ def find_helm() -> str | None:
 def helm() -> str:
     path = find_helm()
     if path is None:
-        message = f"no helm binary: {BUILD_HINT}"
-        if in_ci():
-            pytest.fail(message)
-        pytest.skip(message)
+        unavailable(f"no helm binary: {BUILD_HINT}")
     return path
 
 
@@ -341,43 +335,12 @@ def test_every_object_is_labelled(default: list[dict[str, Any]], namespaced: lis
 @pytest.fixture(scope="module")
 def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """etcd + kube-apiserver (RBAC on) with the CRDs the chart and the operator's objects need."""
-    binaries = _harness_binaries()
-    if binaries is None:
-        pytest.fail("e2e harness not importable")
-    from e2e.harness.controlplane import ControlPlane
+    from e2e.harness import binaries
 
-    absent = binaries.missing(binaries.MINIMAL)
-    if absent:
-        message = f"kube-apiserver/etcd not built ({', '.join(absent)}): run `bash e2e/toolchain/build.sh`"
-        if in_ci():
-            pytest.fail(message)
-        pytest.skip(message)
-    cp = ControlPlane(work_dir=tmp_path_factory.mktemp("apiserver"), install_kuberay_crds=False, allow_build=False)
     kuberay = binaries.kuberay_crd_dir()
-    cp.start()
-    try:
-        if kuberay is not None:
-            install_crds(cp, sorted(kuberay.glob("ray.io_*.yaml")))
+    with minimal_apiserver(tmp_path_factory, sorted(kuberay.glob("ray.io_*.yaml")) if kuberay else []) as cp:
         cp.has_kuberay_crds = kuberay is not None
         yield cp
-    finally:
-        cp.stop()
-
-
-def install_crds(cp: Any, files: list[Path], attempts: int = 3) -> None:
-    """Install CRDs and wait until Established, retrying the wait's known race.
-
-    `kubectl wait --for=condition=Established` fails at once, instead of waiting, when it reads a
-    CRD the API server has not yet given any status conditions.
-    """
-    for attempt in range(attempts):
-        try:
-            cp.install_crds(files)
-            return
-        except subprocess.CalledProcessError as exc:
-            if attempt == attempts - 1 or "accessor error" not in (exc.stderr or ""):
-                raise
-            time.sleep(1)
 
 
 def eventually(check: Callable[[], bool], timeout: float = 60.0) -> bool:

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ import yaml
 
 from hybridflow.api import crd as crdgen
 from hybridflow.api.spec import RLTrainingJobSpec
+from tests.helpers import minimal_apiserver
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS_DIR = ROOT / "crds"
@@ -405,54 +405,13 @@ def test_null_keeps_meaning_where_the_model_gives_it_one(
 # -- admission on a real API server -----------------------------------------------------------------
 
 
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
 @pytest.fixture(scope="module")
 def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """etcd + kube-apiserver with only this CRD installed (generated now, not read from disk)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    try:
-        from e2e.harness import binaries
-        from e2e.harness.controlplane import ControlPlane
-    except ImportError as exc:  # pragma: no cover - the harness ships with the repo
-        pytest.fail(f"e2e harness not importable: {exc}")
-    absent = binaries.missing(binaries.MINIMAL)
-    if absent:
-        message = (
-            f"kube-apiserver/etcd not built ({', '.join(absent)}): run `bash e2e/toolchain/build.sh "
-            "etcd kube-apiserver` (Go >= 1.24) or set KUBEBUILDER_ASSETS"
-        )
-        if in_ci():
-            pytest.fail(message)
-        pytest.skip(message)
     crd_dir = tmp_path_factory.mktemp("crd")
     (crd_dir / crdgen.CRD_FILE).write_text(crdgen.render_crd_yaml())
-    cp = ControlPlane(work_dir=tmp_path_factory.mktemp("apiserver"), install_kuberay_crds=False, allow_build=False)
-    cp.start()
-    try:
-        install_crds(cp, [crd_dir / crdgen.CRD_FILE])
+    with minimal_apiserver(tmp_path_factory, [crd_dir / crdgen.CRD_FILE]) as cp:
         yield cp
-    finally:
-        cp.stop()
-
-
-def install_crds(cp: Any, files: list[Path], attempts: int = 3) -> None:
-    """Install CRDs and wait until Established, retrying the wait's known race.
-
-    `kubectl wait --for=condition=Established` fails at once, instead of waiting, when it reads a
-    CRD the API server has not yet given any status conditions.
-    """
-    for attempt in range(attempts):
-        try:
-            cp.install_crds(files)
-            return
-        except subprocess.CalledProcessError as exc:
-            if attempt == attempts - 1 or "accessor error" not in (exc.stderr or ""):
-                raise
-            time.sleep(1)
 
 
 controlplane = pytest.mark.controlplane

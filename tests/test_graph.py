@@ -6,7 +6,8 @@ import pytest
 
 from hybridflow import DataflowGraph, Edge, GraphError, Node
 from hybridflow.api import load_job
-from hybridflow.graph import devices_needed, graph_for
+from hybridflow.graph import devices_needed
+from hybridflow.plan import trainable_graph
 from tests.conftest import EXAMPLES
 
 
@@ -91,12 +92,12 @@ def test_devices_needed_packs_fractions() -> None:
 
 def test_builtin_graphs() -> None:
     ppo = load_job(EXAMPLES / "ppo-job.yaml").spec
-    g = graph_for(ppo, "GPU", parallelism=16, critic_parallelism=8)
+    g = trainable_graph(ppo, "GPU", parallelism=16, critic_parallelism=8)
     assert {n.role for n in g.nodes} == {"actor_rollout", "reward", "reference", "critic"}
     assert g.pool_demand() == {"actor": {"GPU": 16.0}, "critic": {"GPU": 8.0}}
     grpo = load_job(EXAMPLES / "grpo-job.yaml").spec
-    assert "critic" not in {n.role for n in graph_for(grpo, "GPU").nodes}
-    cpu = graph_for(load_job(EXAMPLES / "tiny-ppo.yaml").spec, "CPU")
+    assert "critic" not in {n.role for n in trainable_graph(grpo, "GPU").nodes}
+    cpu = trainable_graph(load_job(EXAMPLES / "tiny-ppo.yaml").spec, "CPU")
     assert all("GPU" not in n.resources for n in cpu.nodes)
 
 

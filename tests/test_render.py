@@ -16,6 +16,7 @@ from hybridflow.k8s.patches import layout_changed, merge_patch, ownership_proble
 from hybridflow.k8s.render import ENTRYPOINT, render, render_children, render_manifests
 from hybridflow.k8s.settings import DEFAULT_GPU_PRODUCTS, RenderSettings, SettingsError, parse_gpu_products
 from hybridflow_operator.settings import from_env
+from tests.helpers import reward_pool_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = RenderSettings()
@@ -52,21 +53,7 @@ def env_of(template: dict) -> dict[str, str]:
 def with_reward_pool(job: dict, *, reward_gpus: float = 0.0) -> dict:
     """A custom graph whose reward function runs in its own pool next to the actor."""
     job = copy.deepcopy(job)
-    job["spec"]["graph"] = {
-        "nodes": [
-            {"name": "actor", "role": "actor_rollout", "resources": {"GPU": 1}, "parallelism": 16, "pool": "actor"},
-            {"name": "ref", "role": "reference", "resources": {}, "parallelism": 16, "pool": "actor"},
-            {"name": "score", "role": "reward", "resources": {"GPU": reward_gpus, "CPU": 4}, "parallelism": 4,
-             "pool": "reward"},
-            {"name": "critic", "role": "critic", "resources": {"GPU": 1}, "parallelism": 8, "pool": "critic"},
-        ],
-        "edges": [
-            {"src": "actor", "dst": "ref", "coLocate": True},
-            {"src": "actor", "dst": "score", "dataType": "rollout_batch"},
-            {"src": "score", "dst": "critic", "dataType": "rewarded_batch"},
-            {"src": "critic", "dst": "actor", "control": True},
-        ],
-    }
+    job["spec"]["graph"] = reward_pool_graph({"GPU": reward_gpus, "CPU": 4})
     job["spec"]["cluster"]["workerGroups"].append(
         {"name": "reward", "replicas": 1, "gpusPerWorker": 0, "cpusPerWorker": 16, "memory": "64Gi"})
     return job

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -40,10 +41,19 @@ H100 = "NVIDIA-H100-80GB-HBM3"
 T = TypeVar("T")
 STOP_GRACE_S = 10.0
 POLL_S = 0.25
+# A port free_port() picked can be taken by someone else before the component binds it: a fresh-clone
+# `CI=true make test` on a busy machine lost 32 tests to one kube-apiserver that could not bind. A component
+# whose log says so is restarted on new ports, this many times in all.
+BIND_ATTEMPTS = 5
+PORT_TAKEN = re.compile(r"address already in use", re.IGNORECASE)
 
 
 class StartupError(RuntimeError):
     """A component did not come up in time; the message carries its log tail."""
+
+
+class PortTakenError(StartupError):
+    """A component could not bind one of its ports: another process took it after free_port() picked it."""
 
 
 class KubectlError(subprocess.CalledProcessError):
@@ -58,7 +68,8 @@ class KubectlError(subprocess.CalledProcessError):
 
 
 def free_port() -> int:
-    """A port the kernel just handed out on loopback (racy in theory, fine for tests)."""
+    """A port the kernel just handed out on loopback; another process may take it before it is used (the
+    control plane then moves the component that could not bind it, see ControlPlane._launch)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -213,17 +224,27 @@ def insecure_context() -> ssl.SSLContext:
     return ctx
 
 
-def wait_healthy(proc: Process, url: str, timeout: float, context: ssl.SSLContext | None = None) -> None:
-    """Wait for a health URL, failing fast if the process exits."""
+def wait_healthy(
+    proc: Process, url: str, timeout: float, context: ssl.SSLContext | None = None, log_offset: int = 0
+) -> None:
+    """Wait for a health URL, failing fast if the process exits, or says (in its log past `log_offset`)
+    that a port it was given is taken: PortTakenError."""
 
-    def check() -> bool:
-        if not proc.running():
-            raise proc.failure(f"exited before {url} answered")
-        return http_ok(url, context)
+    def port_taken() -> bool:
+        with contextlib.suppress(OSError), proc.log.open("rb") as f:
+            f.seek(log_offset)
+            return bool(PORT_TAKEN.search(f.read().decode(errors="replace")))
+        return False
 
     deadline = time.monotonic() + timeout
     while True:
-        if check():
+        if port_taken():
+            raise PortTakenError(str(proc.failure("could not bind a port it was given")))
+        if not proc.running():
+            if port_taken():  # it may have logged the error and exited since the check above
+                continue
+            raise proc.failure(f"exited before {url} answered")
+        if http_ok(url, context):
             return
         if time.monotonic() >= deadline:
             raise proc.failure(f"did not answer {url} within {timeout:.0f}s")
@@ -340,18 +361,40 @@ def fleet_manifests(pools: Iterable[NodePool]) -> list[dict[str, Any]]:
 # the control plane
 
 
+def _port() -> int:
+    return free_port()  # looked up when called, so that a test can hand out a port it holds
+
+
 @dataclass
 class Ports:
     """Loopback ports of every listening component."""
 
-    etcd_client: int = field(default_factory=free_port)
-    etcd_peer: int = field(default_factory=free_port)
-    apiserver: int = field(default_factory=free_port)
-    controller_manager: int = field(default_factory=free_port)
-    scheduler: int = field(default_factory=free_port)
-    kwok: int = field(default_factory=free_port)
-    kuberay_metrics: int = field(default_factory=free_port)
-    kuberay_probe: int = field(default_factory=free_port)
+    etcd_client: int = field(default_factory=_port)
+    etcd_peer: int = field(default_factory=_port)
+    apiserver: int = field(default_factory=_port)
+    controller_manager: int = field(default_factory=_port)
+    scheduler: int = field(default_factory=_port)
+    kwok: int = field(default_factory=_port)
+    kuberay_metrics: int = field(default_factory=_port)
+    kuberay_probe: int = field(default_factory=_port)
+
+    def renew(self, *names: str) -> None:
+        """New ports for the given fields."""
+        for name in names:
+            setattr(self, name, _port())
+
+
+@dataclass
+class Component:
+    """How to start one component and see it healthy; `argv` and `health` read the ports when called."""
+
+    name: str
+    ports: tuple[str, ...]  # the fields of Ports it listens on
+    argv: Callable[[], list[str]]
+    health: Callable[[], str]
+    context: ssl.SSLContext | None = None
+    env: Mapping[str, str] | None = None
+    before_start: Callable[[], None] | None = None  # e.g. write what depends on its ports
 
 
 class KubectlClient:
@@ -406,10 +449,13 @@ class ControlPlane(KubectlClient):
         self.processes: dict[str, Process] = {}
         self.pki: certs.PKI | None = None
         self.kubeconfig = self.work_dir / "kubeconfig"
-        self.server = f"https://127.0.0.1:{self.ports.apiserver}"
         self.timings: dict[str, float] = {}
         self.fleet: list[str] = []
         self._t0 = time.monotonic()
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.ports.apiserver}"
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -485,30 +531,57 @@ class ControlPlane(KubectlClient):
     def _log(self, name: str) -> Path:
         return self.work_dir / "logs" / f"{name}.log"
 
-    def _spawn(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> Process:
-        proc = Process.start(name, argv, self._log(name), env, self.detach)
-        self.processes[name] = proc
-        return proc
+    def _spawn(self, component: Component) -> tuple[Process, int]:
+        """Start a component; returns it and where its log stood before (a restart appends to the log)."""
+        log = self._log(component.name)
+        offset = log.stat().st_size if log.exists() else 0
+        if component.before_start:
+            component.before_start()
+        proc = Process.start(component.name, component.argv(), log, component.env, self.detach)
+        self.processes[component.name] = proc
+        return proc, offset
+
+    def _launch(self, *components: Component) -> None:
+        """Start the components together, then wait for each to be healthy. One that could not bind a port
+        (another process took it after free_port() picked it) is stopped and started again on new ports."""
+        started = {c.name: self._spawn(c) for c in components}
+        for c in components:
+            for attempt in range(1, BIND_ATTEMPTS + 1):
+                proc, offset = started[c.name]
+                try:
+                    wait_healthy(proc, c.health(), self.timeout, c.context, offset)
+                    break
+                except PortTakenError:
+                    if attempt == BIND_ATTEMPTS:
+                        raise
+                    proc.stop()
+                    self.ports.renew(*c.ports)
+                    started[c.name] = self._spawn(c)
 
     def _start_etcd(self, etcd: Path) -> None:
-        client = f"http://127.0.0.1:{self.ports.etcd_client}"
-        peer = f"http://127.0.0.1:{self.ports.etcd_peer}"
-        proc = self._spawn(
-            "etcd",
-            [
+        def client() -> str:
+            return f"http://127.0.0.1:{self.ports.etcd_client}"
+
+        def argv() -> list[str]:
+            peer = f"http://127.0.0.1:{self.ports.etcd_peer}"
+            return [
                 str(etcd),
                 "--name=default",
                 f"--data-dir={self.work_dir / 'etcd'}",
-                f"--listen-client-urls={client}",
-                f"--advertise-client-urls={client}",
+                f"--listen-client-urls={client()}",
+                f"--advertise-client-urls={client()}",
                 f"--listen-peer-urls={peer}",
                 f"--initial-advertise-peer-urls={peer}",
                 f"--initial-cluster=default={peer}",
                 "--unsafe-no-fsync=true",  # throwaway data: fsync only slows tests down
                 "--log-level=warn",
-            ],
-        )
-        wait_healthy(proc, f"{client}/health", self.timeout)
+            ]
+
+        def fresh() -> None:  # a data dir left by a start that could not bind records the old peer URL
+            shutil.rmtree(self.work_dir / "etcd", ignore_errors=True)
+
+        self._launch(Component("etcd", ("etcd_client", "etcd_peer"), argv, lambda: f"{client()}/health",
+                               before_start=fresh))
 
     def _apiserver_args(self, apiserver: Path) -> list[str]:
         assert self.pki is not None
@@ -548,9 +621,15 @@ class ControlPlane(KubectlClient):
 
     def _start_apiserver(self, apiserver: Path) -> None:
         assert self.pki is not None
-        proc = self._spawn("kube-apiserver", self._apiserver_args(apiserver))
-        write_kubeconfig(self.kubeconfig, self.server, self.pki.serving_ca.cert, self.pki.admin, "admin")
-        wait_healthy(proc, f"{self.server}/readyz", self.timeout, self._admin_tls_context())
+        pki = self.pki
+
+        def admin_kubeconfig() -> None:  # it names the port
+            write_kubeconfig(self.kubeconfig, self.server, pki.serving_ca.cert, pki.admin, "admin")
+
+        self._launch(Component(
+            "kube-apiserver", ("apiserver",), lambda: self._apiserver_args(apiserver), lambda: f"{self.server}/readyz",
+            self._admin_tls_context(), before_start=admin_kubeconfig,
+        ))
 
     def _component_kubeconfig(self, user: str) -> Path:
         """A kubeconfig whose client cert carries the user name the bootstrap RBAC roles expect."""
@@ -566,15 +645,18 @@ class ControlPlane(KubectlClient):
         sched_config = self._component_kubeconfig("system:kube-scheduler")
         # No --authentication/authorization-kubeconfig: delegated auth would wait for a front-proxy
         # CA this API server does not have; health endpoints are always allowed anyway.
-        kcm = self._spawn(
+        pki = self.pki
+        insecure = insecure_context()
+        kcm = Component(
             "kube-controller-manager",
-            [
+            ("controller_manager",),
+            lambda: [
                 str(bins["kube-controller-manager"]),
                 f"--kubeconfig={kcm_config}",
-                f"--service-account-private-key-file={self.pki.service_account.key}",
-                f"--root-ca-file={self.pki.serving_ca.cert}",
-                f"--cluster-signing-cert-file={self.pki.client_ca.cert}",
-                f"--cluster-signing-key-file={self.pki.client_ca.key}",
+                f"--service-account-private-key-file={pki.service_account.key}",
+                f"--root-ca-file={pki.serving_ca.cert}",
+                f"--cluster-signing-cert-file={pki.client_ca.cert}",
+                f"--cluster-signing-key-file={pki.client_ca.key}",
                 "--controllers=*",
                 "--use-service-account-credentials=true",
                 "--leader-elect=false",
@@ -583,10 +665,13 @@ class ControlPlane(KubectlClient):
                 f"--cert-dir={self.work_dir / 'kcm-certs'}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
             ],
+            lambda: f"https://127.0.0.1:{self.ports.controller_manager}/healthz",
+            insecure,
         )
-        sched = self._spawn(
+        sched = Component(
             "kube-scheduler",
-            [
+            ("scheduler",),
+            lambda: [
                 str(bins["kube-scheduler"]),
                 f"--kubeconfig={sched_config}",
                 "--leader-elect=false",
@@ -594,28 +679,30 @@ class ControlPlane(KubectlClient):
                 f"--secure-port={self.ports.scheduler}",
                 f"--cert-dir={self.work_dir / 'scheduler-certs'}",
             ],
+            lambda: f"https://127.0.0.1:{self.ports.scheduler}/healthz",
+            insecure,
         )
-        kwok = self._spawn(
+        kwok = Component(
             "kwok",
-            [
+            ("kwok",),
+            lambda: [
                 str(bins["kwok"]),
                 f"--kubeconfig={self.kubeconfig}",
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_NODE_SELECTOR}",
                 f"--server-address=127.0.0.1:{self.ports.kwok}",
             ],
+            lambda: f"http://127.0.0.1:{self.ports.kwok}/healthz",
             env={"KWOK_WORKDIR": str(self.work_dir / "kwok")},  # keep it away from ~/.kwok
         )
-        insecure = insecure_context()
-        wait_healthy(kcm, f"https://127.0.0.1:{self.ports.controller_manager}/healthz", self.timeout, insecure)
-        wait_healthy(sched, f"https://127.0.0.1:{self.ports.scheduler}/healthz", self.timeout, insecure)
-        wait_healthy(kwok, f"http://127.0.0.1:{self.ports.kwok}/healthz", self.timeout)
+        self._launch(kcm, sched, kwok)
         self.timings["controllers_ready"] = time.monotonic() - self._t0
 
     def _start_kuberay(self, operator: Path) -> None:
-        proc = self._spawn(
+        self._launch(Component(
             "kuberay-operator",
-            [
+            ("kuberay_metrics", "kuberay_probe"),
+            lambda: [
                 str(operator),
                 f"--kubeconfig={self.kubeconfig}",
                 "--enable-leader-election=false",
@@ -623,8 +710,8 @@ class ControlPlane(KubectlClient):
                 f"--health-probe-bind-address=127.0.0.1:{self.ports.kuberay_probe}",
                 "--log-stdout-encoder=console",
             ],
-        )
-        wait_healthy(proc, f"http://127.0.0.1:{self.ports.kuberay_probe}/readyz", self.timeout)
+            lambda: f"http://127.0.0.1:{self.ports.kuberay_probe}/readyz",
+        ))
 
     # -- API helpers ----------------------------------------------------------------------------
 
@@ -659,14 +746,18 @@ class ControlPlane(KubectlClient):
         for f in files:
             args += ["-f", str(f)]
         names = self.kubectl(*args, timeout=self.timeout).stdout.split()
-        if names:
-            self.kubectl(
-                "wait",
-                "--for=condition=Established",
-                f"--timeout={int(self.timeout)}s",
-                *names,
-                timeout=self.timeout + 10,
-            )
+        for attempt in range(1, 4):
+            if not names:
+                break
+            wait = ["wait", "--for=condition=Established", f"--timeout={int(self.timeout)}s", *names]
+            result = self.kubectl(*wait, check=False, timeout=self.timeout + 10)
+            # `kubectl wait` fails at once, instead of waiting, on a CRD the API server has not yet given any
+            # status conditions ("accessor error"): ask again.
+            if result.returncode == 0:
+                break
+            if attempt == 3 or "accessor error" not in result.stderr:
+                raise KubectlError(result.returncode, [kubectl_binary(), *wait], result.stdout, result.stderr)
+            time.sleep(1)
         return names
 
     def wait_for_service_account(self, namespace: str, name: str = "default", timeout: float | None = None) -> None:

@@ -5,7 +5,7 @@ Watching is not kopf's here. kopf runs its whole per-event machinery (cause dete
 invocation, per-object memories) for every event of a watched resource, even with a handler that does
 nothing and storages that keep nothing: 1.09 ms of CPU per RLTrainingJob event (1.28 ms with a
 kopf.index on top), against 0.26 ms for the informer, which reads the same events as JSON lines and
-only records them (benchmarks/operator_watch_cost.py, medians of 3 runs of 1,500 events; see
+only records them (benchmarks/operator/watch_cost.py, medians of 3 runs of 1,500 events; see
 benchmarks/README.md). A burst of N jobs brings about 10 events per job across the three kinds, so
 RLTrainingJobs, RayJobs and Ray pods all come through the informers (watches.py), and kopf is started
 with no resource handler and no scanning of CRDs or namespaces: it has nothing to watch. Without a

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.api import CONDITION_TYPES
-from hybridflow_operator.names import GENERATION_ANNOTATION
+from hybridflow.k8s.names import GENERATION_ANNOTATION
 
 MAX_MESSAGE = 32768
 

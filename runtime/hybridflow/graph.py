@@ -331,8 +331,3 @@ def spec_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = "GP
         return DataflowGraph.from_spec(spec.graph, name=f"{spec.algorithm.name}-custom")
     return builtin_graph(spec, accelerator, parallelism, critic_parallelism)
 
-
-def graph_for(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = "GPU",
-              parallelism: int = 1, critic_parallelism: int | None = None) -> DataflowGraph:
-    """spec_graph, structurally validated; hybridflow.plan.trainable_graph also applies the training rules."""
-    return spec_graph(spec, accelerator, parallelism, critic_parallelism).validate()

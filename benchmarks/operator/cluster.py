@@ -12,15 +12,9 @@ import contextlib
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
-import threading
-import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,8 +22,10 @@ from typing import Any
 import psutil
 import yaml
 
+from benchmarks.common import RssSampler
 from e2e.harness import certs
-from e2e.harness.controlplane import A100, ControlPlane, NodePool, free_port, tail, write_kubeconfig
+from e2e.harness import operator as harness_operator
+from e2e.harness.controlplane import A100, ControlPlane, NodePool, write_kubeconfig
 
 ROOT = Path(__file__).resolve().parent.parent
 OPERATOR_USER = "hybridflow-operator"
@@ -102,48 +98,6 @@ def bench_fleet(max_jobs: int, head_cpus: int, submitter_cpus: float = 1.0) -> l
 # -- the operator process ----------------------------------------------------------------------------------
 
 
-@dataclass
-class RssSampler:
-    """Polls the resident set size of a process and its children; keeps the peak and a time series."""
-
-    pid: int
-    interval: float = 0.1
-    peak_bytes: int = 0
-    series: list[tuple[float, int]] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> RssSampler:
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def sample(self) -> int:
-        """Current RSS of the process tree in bytes (0 once it is gone)."""
-        try:
-            proc = psutil.Process(self.pid)
-            total = proc.memory_info().rss
-            for child in proc.children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    total += child.memory_info().rss
-        except psutil.Error:
-            return 0
-        return total
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            rss = self.sample()
-            if rss:
-                self.peak_bytes = max(self.peak_bytes, rss)
-                self.series.append((time.time(), rss))
-            self._stop.wait(self.interval)
-
-
 def high_water_mark_bytes(pid: int) -> int | None:
     """The kernel's exact peak RSS of one process (VmHWM), while it still runs."""
     try:
@@ -155,51 +109,28 @@ def high_water_mark_bytes(pid: int) -> int | None:
     return None
 
 
-class OperatorProcess:
-    """`python -m hybridflow_operator` as deployed (cluster-wide, standalone), under its own identity."""
+class OperatorProcess(harness_operator.OperatorProcess):
+    """`python -m hybridflow_operator` as deployed (cluster-wide, standalone), under its own identity, its
+    memory sampled; with `tracemalloc_out`, under benchmarks.operator.launch (the --trace-memory what-if)."""
 
     def __init__(self, kubeconfig: Path, log: Path, tracemalloc_out: Path | None = None) -> None:
-        self.kubeconfig = kubeconfig
-        self.log = log
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"}
+        if tracemalloc_out is not None:
+            env["BENCH_TRACEMALLOC_OUT"] = str(tracemalloc_out)
+        super().__init__(log, env)
         self.tracemalloc_out = tracemalloc_out
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
         self.sampler: RssSampler | None = None
         self.hwm_bytes: int | None = None
         self.cpu_seconds: float | None = None
 
-    def start(self, timeout: float = 60.0) -> None:
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(self.kubeconfig),
-            "PYTHONUNBUFFERED": "1",
-        }
-        # As deployed, unless a what-if asks for a memory trace.
-        module = "hybridflow_operator"
-        if self.tracemalloc_out is not None:
-            module = "benchmarks.operator_launch"
-            env["BENCH_TRACEMALLOC_OUT"] = str(self.tracemalloc_out)
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", module, "--liveness", f"http://127.0.0.1:{self.port}/healthz"],
-                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            )
-        self.sampler = RssSampler(self.proc.pid).start()
-        deadline = time.monotonic() + timeout
-        while not self._healthy():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{tail(self.log)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"operator not live after {timeout:.0f}s:\n{tail(self.log)}")
-            time.sleep(0.25)
+    def argv(self) -> list[str]:
+        module = "hybridflow_operator" if self.tracemalloc_out is None else "benchmarks.operator.launch"
+        return [sys.executable, "-m", module, "--liveness", self.liveness]
 
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as resp:
-                return resp.status == 200
-        except OSError:
-            return False
+    def start(self, timeout: float = 60.0) -> None:
+        super().start(timeout)
+        assert self.proc is not None
+        self.sampler = RssSampler(self.proc.pid).start()
 
     @property
     def peak_rss_bytes(self) -> int:
@@ -207,24 +138,16 @@ class OperatorProcess:
         polled = self.sampler.peak_bytes if self.sampler else 0
         return max(polled, self.hwm_bytes or 0)
 
-    def stop(self) -> None:
-        """SIGTERM (kopf exits cleanly), SIGKILL after 20 s; records VmHWM and CPU time first."""
-        if self.proc is None or self.proc.poll() is not None:
-            if self.sampler:
-                self.sampler.stop()
-            return
-        self.hwm_bytes = high_water_mark_bytes(self.proc.pid)
-        with contextlib.suppress(psutil.Error):
-            times = psutil.Process(self.proc.pid).cpu_times()
-            self.cpu_seconds = times.user + times.system
+    def stop(self, *, hard: bool = False) -> None:
+        """Records VmHWM and CPU time, then stops it."""
+        if self.proc is not None and self.alive():
+            self.hwm_bytes = high_water_mark_bytes(self.proc.pid)
+            with contextlib.suppress(psutil.Error):
+                times = psutil.Process(self.proc.pid).cpu_times()
+                self.cpu_seconds = times.user + times.system
         if self.sampler:
             self.sampler.stop()
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        super().stop(hard=hard)
 
 
 # -- the audit log -----------------------------------------------------------------------------------------

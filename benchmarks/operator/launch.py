@@ -1,4 +1,4 @@
-"""`python -m benchmarks.operator_launch [operator flags]`: the operator's own entry point, instrumented for
+"""`python -m benchmarks.operator.launch [operator flags]`: the operator's own entry point, instrumented for
 the `--trace-memory` what-if of the operator benchmark. Not a way to run hybridflow.
 
 BENCH_TRACEMALLOC_OUT=FILE: trace Python allocations; whenever the traced heap has grown by 25%, write its

@@ -1,6 +1,6 @@
 """Operator CPU seconds per 1,000 watch events: kopf's per-event machinery against the informer.
 
-    python -m benchmarks.operator_watch_cost [--jobs 300] [--updates 4] [--rounds 3] [--json FILE]
+    python -m benchmarks.operator.watch_cost [--jobs 300] [--updates 4] [--rounds 3] [--json FILE]
 
 Starts a minimal control plane (etcd + kube-apiserver with our CRD; `bash e2e/toolchain/build.sh`
 builds the binaries), then, for each watcher and round, a fresh process that watches RLTrainingJobs
@@ -222,7 +222,7 @@ def measure(api: Any, kubeconfig: Path, kind: str, jobs: int, updates: int, roun
     expected = jobs * (1 + updates)
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "runtime"), str(ROOT / "operator"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.operator_watch_cost", "--watcher", kind,
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.operator.watch_cost", "--watcher", kind,
                              "--expected", str(expected)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     custom = client.CustomObjectsApi(api)
     args = ("hybridflow.io", "v1alpha1", NAMESPACE, "rltrainingjobs")

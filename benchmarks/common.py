@@ -1,0 +1,110 @@
+"""What the runtime and operator benchmarks share: a process-tree memory sampler, their README sections
+between markers, and prose templates."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from string import Template
+from typing import Any
+
+import psutil
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+class RssSampler:
+    """Polls the summed RSS of a process and all its descendants (pages shared between processes count in
+    each): the peak, the most processes seen, a time series and, given `label`, the peak split by process."""
+
+    def __init__(self, pid: int, interval: float = 0.1, label: Callable[[psutil.Process], str] | None = None) -> None:
+        self.pid, self.interval, self.label = pid, interval, label
+        self.peak_bytes = 0
+        self.peak_processes = 0
+        self.peak_by_process: dict[str, float] = {}
+        self.series: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def start(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def sample(self) -> int:
+        """The tree's RSS now, in bytes (0 once the process is gone); recorded."""
+        try:
+            root = psutil.Process(self.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        rss: list[tuple[psutil.Process, int]] = []
+        for proc in tree:
+            try:
+                rss.append((proc, proc.memory_info().rss))
+            except psutil.Error:
+                continue
+        total = sum(r for _, r in rss)
+        if total:
+            self.series.append((time.time(), total))
+        self.peak_processes = max(self.peak_processes, len(rss))
+        if total > self.peak_bytes:
+            self.peak_bytes = total
+            if self.label:
+                self.peak_by_process = self._by_process(rss)
+        return total
+
+    def _by_process(self, rss: list[tuple[psutil.Process, int]]) -> dict[str, float]:
+        assert self.label is not None
+        by: dict[str, float] = {}
+        for proc, r in rss:
+            try:
+                name = self.label(proc)
+            except psutil.Error:
+                name = "exited"
+            by[name] = by.get(name, 0.0) + r / 2**20
+        return {k: round(v, 1) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+
+def write_section(path: Path, begin: str, end: str, block: str) -> None:
+    """Replace the section between the markers `begin` and `end` (`block` includes them), or append it;
+    the rest of the file stays."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+class Text:
+    """The sections of a prose template in benchmarks/templates, filled in by name (string.Template).
+
+    In the file, a line `%% name` opens a section, which runs to the next one; its last newline is dropped
+    and nothing above the first section is used (that is where the file explains itself).
+    """
+
+    def __init__(self, name: str) -> None:
+        sections: dict[str, list[str]] = {}
+        current: list[str] | None = None
+        for line in (TEMPLATES / name).read_text().splitlines(keepends=True):
+            if line.startswith("%% "):
+                current = sections.setdefault(line[3:].strip(), [])
+            elif current is not None:
+                current.append(line)
+        self.sections = {key: Template("".join(lines).removesuffix("\n")) for key, lines in sections.items()}
+
+    def __call__(self, section: str, **values: Any) -> str:
+        return self.sections[section].substitute(values)

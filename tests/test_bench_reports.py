@@ -1,0 +1,37 @@
+"""The benchmark reports: benchmarks/README.md's sections are what the committed results render to, and a
+results file of another format is refused rather than read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import runtime
+from benchmarks.operator import report
+from benchmarks.operator.summarise import FormatError, check_format, summarise
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+README = (ROOT / "benchmarks" / "README.md").read_text()
+
+
+def section(begin: str, end: str) -> str:
+    return README[README.index(begin) : README.index(end) + len(end)]
+
+
+def test_operator_section_is_rendered_from_operator_json() -> None:
+    raw = check_format(json.loads((RESULTS / "operator.json").read_text()), "operator.json")
+    assert report.readme_block(summarise(raw)) == section(report.BEGIN, report.END)
+
+
+def test_runtime_section_is_rendered_from_runtime_json() -> None:
+    results = json.loads((RESULTS / "runtime.json").read_text())
+    assert results["format"] == runtime.FORMAT
+    assert runtime.markdown(results) == section(runtime.BEGIN, runtime.END)
+
+
+def test_a_results_file_of_another_format_is_refused() -> None:
+    with pytest.raises(FormatError, match="format None"):
+        check_format({"sizes": {}}, "old.json")
