@@ -74,7 +74,7 @@ def run_naive(spec: RLTrainingJobSpec, steps: int, use_gpu: bool = False) -> Nai
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     seed = spec.trainer.seed
     spec_json = spec.model_dump(mode="json")
-    role = ray.remote(RoleActor).options(num_cpus=1)
+    role: Any = ray.remote(RoleActor).options(num_cpus=1)  # handles are untyped to mypy
     actor = role.remote("actor_rollout", spec_json, seed, use_gpu)
     reward = role.remote("reward", spec_json, seed, use_gpu)
     with_ref = spec.model.reference.enabled and spec.algorithm.kl_penalty.coef > 0

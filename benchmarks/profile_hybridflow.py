@@ -71,9 +71,9 @@ def profile_hybridflow(job: Any, steps: int, warmup: int = 2) -> dict[str, Any]:
         submits.append((self._method_name, t0, time.time()))
         return ref
 
-    ray.actor.ActorMethod.remote = timed_remote
+    ray.actor.ActorMethod.remote = timed_remote  # type: ignore[method-assign]
     host = trainer.scheduler.hosts(trainer.plan.actor.name)[0]
-    rtt = []
+    rtt: list[float] = []
     try:
         for _ in range(30):
             t0 = time.perf_counter()
@@ -86,7 +86,7 @@ def profile_hybridflow(job: Any, steps: int, warmup: int = 2) -> dict[str, Any]:
             marks.append((t0, time.time(), record))
             trainer.step = step
     finally:
-        ray.actor.ActorMethod.remote = original
+        ray.actor.ActorMethod.remote = original  # type: ignore[method-assign]
     time.sleep(2.0)  # task events reach the GCS about once a second
     trainer_fused = trainer.plan.fused
     tasks = _task_spans(ray.timeline(), ("rollout", "update", "run_step"))

@@ -137,7 +137,7 @@ def run_trl(spec: RLTrainingJobSpec, steps: int, threads: int = 1) -> dict[str, 
             log_completions=False, dataloader_num_workers=0, seed=spec.trainer.seed,
         )
         trainer = Timed(
-            model=resolve_model_path(spec.model.policy.path), reward_funcs=tiny_reward, args=config,
+            model=resolve_model_path(spec.model.policy.path), reward_funcs=tiny_reward, args=config,  # type: ignore[arg-type]
             train_dataset=dataset, callbacks=[StepClock()],
         )
         backward: Callable[..., Any] = trainer.accelerator.backward

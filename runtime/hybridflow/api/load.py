@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from hybridflow.api.spec import RLTrainingJob
 
@@ -35,7 +36,7 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return path or "(document)"
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: ErrorDetails) -> str:
     kind = err["type"]
     ctx = err.get("ctx") or {}
     if kind == "extra_forbidden":

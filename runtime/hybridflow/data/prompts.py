@@ -68,7 +68,7 @@ class PromptSampler:
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(self._order)
 
     def next_batch(self) -> list[dict[str, str]]:
-        out = []
+        out: list[dict[str, str]] = []
         while len(out) < self.batch_size:
             if self.position >= len(self._order):
                 self.epoch += 1

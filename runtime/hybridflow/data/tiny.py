@@ -87,7 +87,8 @@ def ensure_tiny_model(seed: int = 0) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    cfg = AutoConfig.for_model(**TINY_CONFIG)
+    config = dict(TINY_CONFIG)
+    cfg = AutoConfig.for_model(str(config.pop("model_type")), **config)
     cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = 0, 1, 2
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)

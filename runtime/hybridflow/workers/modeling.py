@@ -53,7 +53,7 @@ def load_tokenizer(path: str):  # -> PreTrainedTokenizerBase
 def load_causal_lm(path: str, dtype: str, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     return model.to(device)
 
 

@@ -69,8 +69,8 @@ class RewardWorker:
     def __init__(self, spec: RLTrainingJobSpec, device: torch.device) -> None:
         self.device = device
         self.fn: RewardFn | None = None
-        self.model = None
-        if spec.reward.type == "model":
+        self.model: torch.nn.Module | None = None
+        if spec.reward.model is not None and spec.reward.type == "model":
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
             from hybridflow.workers.modeling import check_model_dir
@@ -88,7 +88,7 @@ class RewardWorker:
             scores = [float(self.fn(p, r, a)) for p, r, a in zip(batch.prompts, batch.responses, batch.answers,
                                                                     strict=True)]
             batch.tensors["scores"] = torch.tensor(scores, dtype=torch.float32)
-        else:
+        elif self.model is not None:
             texts = [p + r for p, r in zip(batch.prompts, batch.responses, strict=True)]
             enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(self.device)
             batch.tensors["scores"] = self.model(**enc).logits[:, 0].float().cpu()

@@ -67,7 +67,7 @@ class TorchRollout:
         was_training = self.model.training
         self.model.eval()
         sample = self.cfg.temperature > 0
-        out = self.model.generate(
+        out = self.model.generate(  # type: ignore[operator]  # HF's GenerationMixin, unknown to nn.Module
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
             max_new_tokens=self.max_response_length, do_sample=sample,
             temperature=self.cfg.temperature if sample else None, top_p=self.cfg.top_p if sample else None,
