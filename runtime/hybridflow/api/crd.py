@@ -23,11 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
 
+from hybridflow.api import yaml_text
 from hybridflow.api.spec import API_GROUP, API_VERSION, KIND, PLURAL, RLTrainingJobSpec
 from hybridflow.api.status import RLTrainingJobStatus
 
@@ -275,26 +275,9 @@ def crd() -> dict[str, Any]:
     }
 
 
-class _Dumper(yaml.SafeDumper):
-    """Block-style YAML; multi-line strings as literal blocks so CEL rules stay readable in review."""
-
-
-def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in value else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_Dumper.add_representer(str, _str_representer)
-
-
-def to_yaml(obj: Any) -> str:
-    # No line folding: a CEL rule or message split over lines is hard to read in review.
-    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=4096, allow_unicode=True)
-
-
 def render_crd_yaml() -> str:
     """Contents of crds/hybridflow.io_rltrainingjobs.yaml."""
-    return HEADER + "---\n" + to_yaml(crd())
+    return HEADER + "---\n" + yaml_text.dump(crd())
 
 
 def render_chart_template() -> str:
@@ -304,7 +287,7 @@ def render_chart_template() -> str:
     from crds/; a template is upgraded with the release, so a new chart version brings its schema along.
     """
     obj = crd()
-    body = to_yaml({"spec": obj["spec"]})
+    body = yaml_text.dump({"spec": obj["spec"]})
     if "{{" in body or "}}" in body:
         raise ValueError("the CRD contains '{{' or '}}', which Helm would read as template actions")
     head = (

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pydantic_core
-import yaml
 
-from hybridflow.api import API_GROUP, KIND, PLURAL, RLTrainingJob, SpecError, parse_job
+from hybridflow.api import API_GROUP, KIND, PLURAL, RLTrainingJob, SpecError, parse_job, yaml_text
 from hybridflow.k8s import names
 from hybridflow.k8s.contract import CONFIG_FILE, ENTRYPOINT
 from hybridflow.k8s.errors import RenderError
@@ -70,7 +69,7 @@ def render(job: Mapping[str, Any] | RLTrainingJob, settings: RenderSettings) -> 
 
 def render_manifests(job: Mapping[str, Any] | RLTrainingJob, settings: RenderSettings) -> str:
     """The children as multi-document YAML."""
-    return yaml.dump_all(render_children(job, settings), Dumper=_BlockDumper, sort_keys=False)
+    return yaml_text.dump_all(render_children(job, settings))
 
 
 def owner_reference(name: str, uid: str | None) -> dict | None:
@@ -172,14 +171,4 @@ def _rayjob(job: RLTrainingJob, layout: Layout, settings: RenderSettings, namesp
     return rayjob
 
 
-class _BlockDumper(yaml.SafeDumper):
-    """Multi-line strings (the embedded job.json) as literal blocks, so the output reads like YAML."""
-
-
-def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
-    style = "|" if "\n" in value else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_BlockDumper.add_representer(str, _represent_str)
 
