@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.graph_rules import RULES
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
@@ -19,3 +21,12 @@ def example_doc():
         return yaml.safe_load((EXAMPLES / name).read_text())
 
     return load
+
+
+@pytest.fixture(params=sorted(RULES))
+def broken(request, example_doc) -> tuple[dict, str]:
+    """A tiny-ppo job breaking one training rule, and the message that must name it (tests/graph_rules.py)."""
+    change, needle = RULES[request.param]
+    doc = example_doc("tiny-ppo.yaml")
+    change(doc)
+    return doc, needle

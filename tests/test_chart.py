@@ -227,21 +227,17 @@ def test_overrides(helm: str) -> None:
 # -- RBAC -------------------------------------------------------------------------------------------
 
 NAMESPACED_RULES = {
-    ("hybridflow.io", "rltrainingjobs"): {"get", "list", "watch", "patch", "update"},
+    ("hybridflow.io", "rltrainingjobs"): {"get", "list", "watch"},
     ("hybridflow.io", "rltrainingjobs/status"): {"get", "patch", "update"},
     ("ray.io", "rayjobs"): {"get", "list", "watch", "create", "patch", "update", "delete"},
     ("ray.io", "rayjobs/status"): {"get"},
     ("ray.io", "rayclusters"): {"get", "list", "watch"},
     ("", "configmaps"): {"create", "get", "list", "watch", "patch", "update", "delete"},
     ("", "serviceaccounts"): {"create", "get", "list", "watch", "patch", "update", "delete"},
-    ("", "events"): {"create", "patch"},
+    ("", "events"): {"create"},
     ("", "pods"): {"get", "list", "watch"},
     ("rbac.authorization.k8s.io", "roles"): {"create", "get", "list", "watch", "patch", "update", "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"create", "get", "list", "watch", "patch", "update", "delete"},
-}
-CLUSTER_SCOPED_RULES = {
-    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
-    ("", "namespaces"): {"list", "watch"},
 }
 
 
@@ -257,18 +253,15 @@ def grants(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
 
 def test_cluster_wide_rbac(default: list[dict[str, Any]]) -> None:
     assert by_kind(default, "Role") == [] and by_kind(default, "RoleBinding") == []
-    assert grants(one(default, "ClusterRole", RELEASE)) == NAMESPACED_RULES
-    assert grants(one(default, "ClusterRole", f"{RELEASE}-cluster")) == CLUSTER_SCOPED_RULES
-    for name in (RELEASE, f"{RELEASE}-cluster"):
-        binding = one(default, "ClusterRoleBinding", name)
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name}
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
+    assert grants(one(default, "ClusterRole")) == NAMESPACED_RULES
+    binding = one(default, "ClusterRoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": RELEASE}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
 
 
 def test_namespaced_rbac(namespaced: list[dict[str, Any]]) -> None:
-    names = {d["metadata"]["name"] for d in by_kind(namespaced, "ClusterRole")}
-    assert names == {f"{RELEASE}-cluster"}, "no cluster-wide grant of the namespaced rules"
-    assert grants(one(namespaced, "ClusterRole")) == CLUSTER_SCOPED_RULES
+    assert by_kind(namespaced, "ClusterRole") == [] and by_kind(namespaced, "ClusterRoleBinding") == [], \
+        "nothing cluster-wide: kopf scans no CRDs or namespaces, and the jobs' namespaces are listed"
     roles = by_kind(namespaced, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["a", "b"]
     for role in roles:
@@ -396,7 +389,7 @@ def test_rendered_chart_is_accepted_and_its_rbac_suffices(helm: str, apiserver: 
     for verb, resource in checks:
         can = kubectl(apiserver, "auth", "can-i", verb, resource, "-n", job_ns, f"--as={sa}")
         assert can.stdout.strip() == "yes", (verb, resource, can.stdout, can.stderr)
-    assert kubectl(apiserver, "auth", "can-i", "list", "namespaces", f"--as={sa}").stdout.strip() == "yes"
+    assert kubectl(apiserver, "auth", "can-i", "list", "namespaces", f"--as={sa}").stdout.strip() == "no"
     assert kubectl(apiserver, "auth", "can-i", "get", "secrets", "-n", job_ns, f"--as={sa}").stdout.strip() == "no"
     if namespaces:
         other = kubectl(apiserver, "auth", "can-i", "watch", "rltrainingjobs.hybridflow.io", "-n", "jobs", f"--as={sa}")

@@ -530,6 +530,24 @@ def test_a_graph_that_cannot_train_stalls_on_spec_graph_before_any_child_exists(
     assert stalled["message"].startswith("spec.graph: ") and "ppo needs a node with role reward" in stalled["message"]
 
 
+def test_each_training_rule_stalls_the_job_with_its_message(broken) -> None:
+    doc, needle = broken
+
+    async def scenario() -> Loop:
+        loop = Loop(MemoryKube())
+        doc["metadata"].update(name="ppo", namespace=NS, generation=1)
+        doc["status"] = {"observedGeneration": 0, "restarts": 0}
+        loop.job_event(loop.kube.put(doc), "ADDED")
+        await loop.settle()
+        return loop
+
+    loop = run(scenario())
+    assert loop.kube.verbs() == [("patch-status", "RLTrainingJob")]  # no child created
+    stalled = condition(loop.stored_job(), "Stalled")
+    assert (stalled["status"], stalled["reason"]) == ("True", "InvalidGraph")
+    assert needle.removeprefix("spec.graph: ") in stalled["message"], stalled["message"]
+
+
 def test_a_terminating_namespace_is_left_alone() -> None:
     async def scenario() -> tuple[Loop, float | None]:
         loop = Loop(MemoryKube())

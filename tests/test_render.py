@@ -462,6 +462,13 @@ def test_a_graph_that_cannot_train_is_a_render_error_on_spec_graph() -> None:
     assert not error.message.startswith("spec.graph: ")  # the field is said once, by the condition
 
 
+def test_each_training_rule_is_a_render_error_on_spec_graph(broken) -> None:
+    doc, needle = broken
+    error = render_error(doc)
+    assert (error.field, error.reason) == ("spec.graph", "InvalidGraph")
+    assert needle.removeprefix("spec.graph: ") in error.message, error.message
+
+
 def test_spec_the_api_models_reject_is_a_render_error() -> None:
     job = example()
     job["spec"]["algorithm"]["name"] = "dpo"

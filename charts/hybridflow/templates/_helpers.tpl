@@ -65,7 +65,7 @@ what it holds itself, so those verbs must stay here.
 {{- define "hybridflow.namespacedRules" -}}
 - apiGroups: ["hybridflow.io"]
   resources: ["rltrainingjobs"]
-  verbs: ["get", "list", "watch", "patch", "update"]
+  verbs: ["get", "list", "watch"]
 - apiGroups: ["hybridflow.io"]
   resources: ["rltrainingjobs/status"]
   verbs: ["get", "patch", "update"]
@@ -83,7 +83,7 @@ what it holds itself, so those verbs must stay here.
   verbs: ["create", "get", "list", "watch", "patch", "update", "delete"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
