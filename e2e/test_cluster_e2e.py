@@ -39,7 +39,7 @@ from e2e.harness.operator import OperatorProcess
 from hybridflow.api import API_GROUP
 from hybridflow.k8s import names
 from hybridflow_operator.settings import OperatorSettings, from_env
-from tests.helpers import condition, reward_pool_graph, unavailable
+from tests.helpers import condition, reward_pool_graph, unavailable, without_pod_storage
 
 pytestmark = pytest.mark.controlplane
 
@@ -427,7 +427,7 @@ def ns(e2e: E2E) -> Iterator[str]:
 
 def example_job(e2e: E2E, namespace: str, name: str | None = None) -> dict[str, Any]:
     """examples/ppo-job.yaml in `namespace`; with small requests where the nodes are small (kind)."""
-    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc = without_pod_storage(yaml.safe_load(EXAMPLE.read_text()))
     doc["metadata"]["namespace"] = namespace
     if name:
         doc["metadata"]["name"] = name

@@ -26,7 +26,7 @@ from e2e.harness.operator import OperatorProcess
 from hybridflow.k8s import names
 from hybridflow.k8s.render import render_children
 from hybridflow.k8s.settings import RenderSettings
-from tests.helpers import condition
+from tests.helpers import condition, without_pod_storage
 
 pytestmark = pytest.mark.controlplane
 
@@ -91,7 +91,7 @@ def running(operator: OperatorProcess) -> Iterator[OperatorProcess]:
 
 
 def example(namespace: str, name: str | None = None, file: str = "ppo-job.yaml") -> dict:
-    doc = yaml.safe_load((ROOT / "examples" / file).read_text())
+    doc = without_pod_storage(yaml.safe_load((ROOT / "examples" / file).read_text()))
     doc["metadata"]["namespace"] = namespace
     if name:
         doc["metadata"]["name"] = name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -41,6 +42,18 @@ def minimal_apiserver(tmp_path_factory: pytest.TempPathFactory, crd_files: Seque
         cp.stop()
 
 
+POD_STORAGE_FIELDS = ("volumes", "volumeMounts", "env", "envFrom")
+
+
+def without_pod_storage(job: dict[str, Any]) -> dict[str, Any]:
+    """The job without the PVCs and Secrets its pods read (spec.cluster volumes and env): a test control
+    plane has no storage provisioner and no such Secrets, and pods mounting a missing PVC never schedule."""
+    cluster = job.get("spec", {}).get("cluster", {})
+    for key in POD_STORAGE_FIELDS:
+        cluster.pop(key, None)
+    return job
+
+
 def condition(job: Mapping[str, Any], kind: str) -> dict[str, Any]:
     """The job's status condition of this type, {} when it has none."""
     return next((c for c in (job.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
@@ -64,3 +77,85 @@ def reward_pool_graph(reward_resources: Mapping[str, float]) -> dict[str, Any]:
             {"src": "critic", "dst": "actor", "control": True},
         ],
     }
+
+
+@dataclass(frozen=True)
+class BadPodSetting:
+    """spec.cluster pod settings that cannot work, refused alike by the models and the API server (CEL):
+    both name `field` and say `says`, unless the API server's own check (a list-map's duplicate key) speaks."""
+
+    case: str
+    cluster: dict[str, Any]
+    field: str
+    says: str
+    api_field: str | None = None
+    api_says: str | None = None
+
+
+_MODELS = {"name": "models", "persistentVolumeClaim": {"claimName": "models-pvc"}}
+
+
+def _mounted(*mounts: dict[str, Any], volumes: Sequence[dict[str, Any]] = (_MODELS,)) -> dict[str, Any]:
+    return {"volumes": list(volumes), "volumeMounts": list(mounts)}
+
+
+def _env(*env: dict[str, Any]) -> dict[str, Any]:
+    return {"env": list(env)}
+
+
+BAD_POD_SETTINGS = [
+    BadPodSetting("mount-of-no-volume", _mounted({"name": "data", "mountPath": "/mnt/data"}),
+                  "spec.cluster.volumeMounts", "in cluster.volumes"),
+    BadPodSetting("mount-without-volumes", {"volumeMounts": [{"name": "data", "mountPath": "/mnt/data"}]},
+                  "spec.cluster.volumeMounts", "in cluster.volumes"),
+    BadPodSetting("volume-named-twice", {"volumes": [_MODELS, {"name": "models", "emptyDir": {}}]},
+                  "spec.cluster.volumes", "appears more than once",
+                  api_field="spec.cluster.volumes[1]", api_says="Duplicate value"),
+    BadPodSetting("mount-path-twice",
+                  _mounted({"name": "models", "mountPath": "/mnt/m"}, {"name": "models", "mountPath": "/mnt/m"}),
+                  "spec.cluster.volumeMounts", "appears more than once",
+                  api_field="spec.cluster.volumeMounts[1]", api_says="Duplicate value"),
+    BadPodSetting("env-set-twice", _env({"name": "A", "value": "1"}, {"name": "A", "value": "2"}),
+                  "spec.cluster.env", "appears more than once",
+                  api_field="spec.cluster.env[1]", api_says="Duplicate value"),
+    BadPodSetting("operator-volume-dshm", {"volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]},
+                  "spec.cluster.volumes[0].name", "are the operator's own"),
+    BadPodSetting("operator-volume-config", {"volumes": [{"name": "hybridflow-config", "emptyDir": {}}]},
+                  "spec.cluster.volumes[0].name", "are the operator's own"),
+    BadPodSetting("mount-at-dev-shm", _mounted({"name": "models", "mountPath": "/dev/shm"}),
+                  "spec.cluster.volumeMounts[0].mountPath", "are the operator's own mounts"),
+    BadPodSetting("mount-in-config-dir", _mounted({"name": "models", "mountPath": "/etc/hybridflow/extra"}),
+                  "spec.cluster.volumeMounts[0].mountPath", "are the operator's own mounts"),
+    BadPodSetting("relative-mount-path", _mounted({"name": "models", "mountPath": "mnt/models"}),
+                  "spec.cluster.volumeMounts[0].mountPath", "mountPath must be an absolute path"),
+    BadPodSetting("mount-path-with-dotdot", _mounted({"name": "models", "mountPath": "/mnt/../etc"}),
+                  "spec.cluster.volumeMounts[0].mountPath", "mountPath must be an absolute path"),
+    BadPodSetting("absolute-sub-path", _mounted({"name": "models", "mountPath": "/mnt/m", "subPath": "/data"}),
+                  "spec.cluster.volumeMounts[0].subPath", "subPath must be a relative path"),
+    BadPodSetting("volume-with-two-sources",
+                  {"volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "m"}, "emptyDir": {}}]},
+                  "spec.cluster.volumes[0]", "needs exactly one of persistentVolumeClaim"),
+    BadPodSetting("volume-without-source", {"volumes": [{"name": "models"}]},
+                  "spec.cluster.volumes[0]", "needs exactly one of persistentVolumeClaim"),
+    BadPodSetting("relative-host-path", {"volumes": [{"name": "cache", "hostPath": {"path": "cache"}}]},
+                  "spec.cluster.volumes[0].hostPath.path", "hostPath.path must be an absolute path"),
+    BadPodSetting("operator-variable", _env({"name": "HYBRIDFLOW_CONFIG", "value": "/tmp/job.json"}),
+                  "spec.cluster.env[0].name", "are set by the operator"),
+    BadPodSetting("nccl-variable-of-cluster-nccl", _env({"name": "NCCL_SOCKET_IFNAME", "value": "eth1"}),
+                  "spec.cluster.env[0].name", "are set by the operator"),
+    BadPodSetting("value-and-value-from",
+                  _env({"name": "HF_TOKEN", "value": "x",
+                        "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}),
+                  "spec.cluster.env[0]", "takes value or valueFrom, not both"),
+    BadPodSetting("value-from-two-sources",
+                  _env({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "a", "key": "k"},
+                                                          "configMapKeyRef": {"name": "b", "key": "k"}}}),
+                  "spec.cluster.env[0].valueFrom", "needs exactly one of secretKeyRef"),
+    BadPodSetting("env-from-two-sources",
+                  {"envFrom": [{"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}}]},
+                  "spec.cluster.envFrom[0]", "needs exactly one of secretRef"),
+    BadPodSetting("pod-label-of-kuberay", {"podLabels": {"ray.io/group": "actor"}},
+                  "spec.cluster.podLabels", "belong to the operator and KubeRay"),
+    BadPodSetting("pod-annotation-of-the-operator", {"podAnnotations": {"hybridflow.io/generation": "1"}},
+                  "spec.cluster.podAnnotations", "belong to the operator and KubeRay"),
+]

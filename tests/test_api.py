@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 
 from hybridflow.api import RLTrainingJob, SpecError, load_job, parse_job
 from tests.conftest import EXAMPLES
+from tests.helpers import BAD_POD_SETTINGS, BadPodSetting
 
 
 @pytest.mark.parametrize("name", ["ppo-job.yaml", "grpo-job.yaml", "tiny-ppo.yaml", "tiny-grpo.yaml"])
@@ -93,3 +95,80 @@ def test_status_is_ignored_when_read_from_a_file(example_doc) -> None:
     doc = example_doc("tiny-ppo.yaml")
     doc["status"] = {"phase": "Running"}
     assert isinstance(parse_job(doc), RLTrainingJob)
+
+
+# -- pod settings of spec.cluster -----------------------------------------------------------------------
+
+
+def job_with_cluster(cluster: dict) -> dict:
+    return {"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLTrainingJob", "metadata": {"name": "pods"},
+            "spec": {"cluster": copy.deepcopy(cluster)}}
+
+
+@pytest.mark.parametrize("bad", BAD_POD_SETTINGS, ids=[b.case for b in BAD_POD_SETTINGS])
+def test_pod_settings_that_cannot_work_name_their_field(bad: BadPodSetting) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_job(job_with_cluster(bad.cluster))
+    problems = info.value.problems
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{bad.field}: ") and bad.says in problems[0], problems
+
+
+def test_pod_settings_round_trip_in_kubernetes_spelling() -> None:
+    cluster = {
+        "volumes": [
+            {"name": "models", "persistentVolumeClaim": {"claimName": "models-pvc", "readOnly": True}},
+            {"name": "cache", "emptyDir": {}},
+            {"name": "certs", "secret": {"secretName": "ca", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+            {"name": "scratch", "hostPath": {"path": "/scratch", "type": "DirectoryOrCreate"}},
+            {"name": "weights", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "volumeAttributes": {"bucket": "w"}}},
+        ],
+        "volumeMounts": [{"name": "models", "mountPath": "/mnt/models", "readOnly": True},
+                         {"name": "models", "mountPath": "/mnt/data", "subPath": "data"}],
+        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}},
+                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "NCCL_NET_GDR_LEVEL", "value": "PHB"}],
+        "envFrom": [{"configMapRef": {"name": "training-env"}, "prefix": "TRAIN_"}],
+        "imagePullSecrets": [{"name": "registry-creds"}],
+        "serviceAccount": {"annotations": {"iam.gke.io/gcp-service-account": "t@p.iam.gserviceaccount.com"}},
+        "podLabels": {"cost-center": "research", "example.com/tier": "gold"},
+        "podAnnotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
+        "priorityClassName": "training",
+    }
+    job = parse_job(job_with_cluster(cluster))
+    out = job.spec.cluster.to_yaml_dict()
+    assert {k: out[k] for k in cluster} == cluster
+
+
+@pytest.mark.parametrize(("labels", "problem"), [
+    ({"-bad": "x"}, "the name must be"),
+    ({"Example.com/x": "y"}, "the prefix before '/' must be a DNS subdomain"),
+    ({"team": "not ok"}, "the value must be"),
+    ({"sub.ray.io/x": "y"}, "belong to the operator and KubeRay"),
+])
+def test_pod_labels_the_api_server_would_refuse(labels: dict, problem: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_job(job_with_cluster({"podLabels": labels}))
+    (line,) = info.value.problems
+    assert line.startswith("spec.cluster.podLabels: ") and problem in line
+
+
+@pytest.mark.parametrize("name", ["ppo-job.yaml", "grpo-job.yaml"])
+def test_examples_mount_every_path_they_read_and_write(name: str) -> None:
+    spec = load_job(EXAMPLES / name).spec
+    mounts = {m.mount_path: m for m in spec.cluster.volume_mounts}
+    volumes = {v.name: v for v in spec.cluster.volumes}
+
+    def mount_of(path: str) -> str:
+        return next(m for m in mounts if path == m or path.startswith(f"{m}/"))
+
+    read = [spec.model.policy.path, spec.data.train, *filter(None, [spec.model.critic.path])]
+    for path in read:
+        assert mounts[mount_of(path)].read_only, path
+    checkpoints = mounts[mount_of(spec.trainer.checkpoint.path)]
+    assert not checkpoints.read_only
+    claims = {volumes[m.name].persistent_volume_claim.claim_name for m in mounts.values()}
+    assert {"models-pvc", "checkpoints-pvc"} <= claims
+    (token,) = [e for e in spec.cluster.env if e.name == "HF_TOKEN"]
+    assert token.value_from is not None and token.value_from.secret_key_ref is not None
+    assert (token.value_from.secret_key_ref.name, token.value_from.secret_key_ref.key) == ("hf-token", "token")

@@ -46,6 +46,27 @@ def test_validate_reports_every_problem(tmp_path, example_doc) -> None:
                          "spec.trainer.totalStep: unknown field")
 
 
+def test_validate_names_pod_settings_that_cannot_work(tmp_path, example_doc) -> None:
+    doc = example_doc("ppo-job.yaml")
+    doc["spec"]["cluster"]["volumeMounts"].append({"name": "logs", "mountPath": "/var/log/ray"})
+    doc["spec"]["cluster"]["env"].append({"name": "HYBRIDFLOW_CONFIG", "value": "/tmp/job.json"})
+    out = hybridflow("validate", write(tmp_path, doc))
+    assert_clean_failure(out, "2 problems",
+                         "spec.cluster.volumeMounts: volumeMounts[3] (/var/log/ray) mounts volume 'logs', "
+                         "which is not in cluster.volumes",
+                         "spec.cluster.env[1].name: env names HYBRIDFLOW_*")
+
+
+def test_render_shows_the_examples_mounts_and_secret(tmp_path) -> None:
+    out = hybridflow("render", str(EXAMPLES / "ppo-job.yaml"))
+    assert out.returncode == 0, out.stderr
+    rayjob = next(d for d in yaml.safe_load_all(out.stdout) if d["kind"] == "RayJob")
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert {"name": "models", "mountPath": "/mnt/models", "readOnly": True} in head["containers"][0]["volumeMounts"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}} \
+        in head["containers"][0]["env"]
+
+
 def test_malformed_yaml(tmp_path) -> None:
     assert_clean_failure(hybridflow("validate", write(tmp_path, "spec: [a\n")), "malformed YAML: line 2")
 

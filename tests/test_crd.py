@@ -25,7 +25,7 @@ import yaml
 
 from hybridflow.api import crd as crdgen
 from hybridflow.api.spec import RLTrainingJobSpec
-from tests.helpers import minimal_apiserver
+from tests.helpers import BAD_POD_SETTINGS, BadPodSetting, minimal_apiserver
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS_DIR = ROOT / "crds"
@@ -220,11 +220,32 @@ def test_mutable_fields_have_no_transition_rules(schema: dict[str, Any]) -> None
 
 def test_lists_iterated_by_rules_are_bounded(schema: dict[str, Any]) -> None:
     """The API server estimates a rule's worst-case cost; unbounded lists would exceed its budget."""
-    for path in (".spec.graph.nodes", ".spec.graph.edges", ".spec.cluster.workerGroups"):
+    lists = (".spec.graph.nodes", ".spec.graph.edges", ".spec.cluster.workerGroups", ".spec.cluster.volumes",
+             ".spec.cluster.volumeMounts", ".spec.cluster.env", ".spec.cluster.envFrom",
+             ".spec.cluster.imagePullSecrets")
+    for path in lists:
         assert isinstance(at(schema, path).get("maxItems"), int), path
-    for path in (".spec.graph.nodes", ".spec.cluster.workerGroups"):
+    for path in (".spec.cluster.podLabels", ".spec.cluster.podAnnotations"):
+        assert isinstance(at(schema, path).get("maxProperties"), int), path
+    for path, key in ((".spec.graph.nodes", "name"), (".spec.cluster.workerGroups", "name"),
+                      (".spec.cluster.volumes", "name"), (".spec.cluster.volumeMounts", "mountPath"),
+                      (".spec.cluster.env", "name"), (".spec.cluster.imagePullSecrets", "name")):
         node = at(schema, path)
-        assert node["x-kubernetes-list-type"] == "map" and node["x-kubernetes-list-map-keys"] == ["name"]
+        assert node["x-kubernetes-list-type"] == "map" and node["x-kubernetes-list-map-keys"] == [key], path
+
+
+def test_pod_settings_are_typed_kubernetes_objects(schema: dict[str, Any]) -> None:
+    """A subset of core/v1 with its own spelling, so a snippet from a pod spec pastes in unchanged."""
+    volume = at(schema, ".spec.cluster.volumes[]")
+    assert volume["required"] == ["name"]
+    assert set(volume["properties"]) == {"name", "persistentVolumeClaim", "configMap", "secret", "emptyDir",
+                                         "hostPath", "csi"}
+    assert at(schema, ".spec.cluster.volumes[].persistentVolumeClaim")["required"] == ["claimName"]
+    assert set(at(schema, ".spec.cluster.volumeMounts[]")["required"]) == {"name", "mountPath"}
+    assert set(at(schema, ".spec.cluster.env[].valueFrom")["properties"]) == {"secretKeyRef", "configMapKeyRef",
+                                                                             "fieldRef"}
+    assert set(at(schema, ".spec.cluster.envFrom[]")["properties"]) == {"prefix", "secretRef", "configMapRef"}
+    assert at(schema, ".spec.cluster.serviceAccount.annotations")["additionalProperties"] == {"type": "string"}
 
 
 # -- generated files --------------------------------------------------------------------------------
@@ -557,6 +578,38 @@ def test_api_server_rejects(apiserver: Any, case: str, spec: dict[str, Any], mes
     result = create(apiserver, job(f"bad-{case}", **spec))
     assert result.returncode != 0, f"{case} was accepted"
     assert message in result.stderr, result.stderr
+
+
+@controlplane
+@pytest.mark.parametrize("bad", BAD_POD_SETTINGS, ids=[b.case for b in BAD_POD_SETTINGS])
+def test_api_server_rejects_pod_settings_that_cannot_work(apiserver: Any, bad: BadPodSetting) -> None:
+    """The same objects tests/test_api.py gives the models, refused at admission naming the same field."""
+    result = create(apiserver, job(f"bad-{bad.case}", cluster=copy.deepcopy(bad.cluster)))
+    assert result.returncode != 0, f"{bad.case} was accepted"
+    assert f"{bad.api_field or bad.field}: " in result.stderr, result.stderr
+    assert (bad.api_says or bad.says) in result.stderr, result.stderr
+
+
+@controlplane
+def test_api_server_stores_pod_settings_as_written(apiserver: Any) -> None:
+    cluster = {
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models-pvc", "readOnly": True}},
+                    {"name": "cache", "emptyDir": {}}],
+        "volumeMounts": [{"name": "models", "mountPath": "/mnt/models", "readOnly": True},
+                         {"name": "cache", "mountPath": "/cache"}],
+        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}],
+        "envFrom": [{"configMapRef": {"name": "training-env"}}],
+        "imagePullSecrets": [{"name": "registry-creds"}],
+        "serviceAccount": {"annotations": {"iam.gke.io/gcp-service-account": "t@p.iam.gserviceaccount.com"}},
+        "podLabels": {"cost-center": "research"},
+        "podAnnotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
+        "priorityClassName": "training",
+    }
+    obj = job(cluster=copy.deepcopy(cluster))
+    result = create(apiserver, obj)
+    assert result.returncode == 0, result.stderr
+    stored = get(apiserver, obj["metadata"]["name"])["spec"]["cluster"]
+    assert {k: stored[k] for k in cluster} == cluster
 
 
 @controlplane

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from hybridflow.api import load_job
+from hybridflow.api import pod as pod_api
 from hybridflow.k8s import contract, names
 from hybridflow.k8s.errors import RenderError
 from hybridflow.k8s.patches import layout_changed, merge_patch, ownership_problem, rayjob_patch, stale_owner
@@ -46,8 +47,9 @@ def groups_of(rayjob: dict) -> dict[str, dict]:
     return {g["groupName"]: g for g in rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
 
 
-def env_of(template: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in template["spec"]["containers"][0]["env"]}
+def env_of(template: dict) -> dict[str, str | None]:
+    """Name -> value of the container's variables (None for those taken from a Secret or the pod)."""
+    return {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
 
 
 def with_reward_pool(job: dict, *, reward_gpus: float = 0.0) -> dict:
@@ -612,7 +614,189 @@ def test_every_runtime_variable_set_in_a_pod_is_one_the_runtime_reads() -> None:
     cluster = rayjob["spec"]["rayClusterSpec"]
     templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
     for template in templates:
-        env = {e["name"]: e["value"] for e in template["spec"]["containers"][0]["env"]}
+        env = env_of(template)
         ours = {k for k in env if k.startswith("HYBRIDFLOW_")}
         assert ours == {contract.ENV_JOB_NAME, contract.ENV_JOB_NAMESPACE, contract.ENV_CONFIG}
         assert env[contract.ENV_CONFIG] == contract.CONFIG_PATH
+
+
+# -- pod settings of spec.cluster ---------------------------------------------------------------------------
+
+
+def templates_of(rayjob: dict) -> dict[str, dict]:
+    """The head's pod template and each worker group's, by group name."""
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    return {"head": cluster["headGroupSpec"]["template"], **{n: g["template"] for n, g in groups_of(rayjob).items()}}
+
+
+POD_SETTINGS = {
+    "envFrom": [{"configMapRef": {"name": "training-env"}}],
+    "imagePullSecrets": [{"name": "registry-creds"}],
+    "podLabels": {"cost-center": "research", "team": "rl-infra"},
+    "podAnnotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
+    "priorityClassName": "training",
+    "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/trainer"}},
+}
+
+
+def with_pod_settings(job: dict) -> dict:
+    """The example (PVC mounts and HF_TOKEN already in it) with every other pod setting, and a CPU-only group."""
+    job = with_reward_pool(job)
+    job["spec"]["cluster"].update(copy.deepcopy(POD_SETTINGS))
+    return job
+
+
+def test_pod_settings_reach_the_head_and_every_worker_group() -> None:
+    job = with_pod_settings(example())
+    cluster = job["spec"]["cluster"]
+    templates = templates_of(rayjob_of(job))
+    assert list(templates) == ["head", "actor", "critic", "reward"]
+    for name, template in templates.items():
+        spec, container = template["spec"], template["spec"]["containers"][0]
+        for volume in cluster["volumes"]:
+            assert volume in spec["volumes"], name
+        for mount in cluster["volumeMounts"]:
+            assert mount in container["volumeMounts"], name
+        assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}} \
+            in container["env"], name
+        assert container["envFrom"] == [{"configMapRef": {"name": "training-env"}}], name
+        assert spec["imagePullSecrets"] == [{"name": "registry-creds"}], name
+        assert spec["priorityClassName"] == "training", name
+        assert template["metadata"]["annotations"] == {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+        assert template["metadata"]["labels"]["cost-center"] == "research", name
+        assert template["metadata"]["labels"]["team"] == "rl-infra", name  # podLabels over the job's labels
+
+
+def test_the_operators_own_settings_come_first_and_stay() -> None:
+    """The user's variables follow the operator's (so they may reference them); its volumes stay in place."""
+    for name, template in templates_of(rayjob_of(with_pod_settings(example()))).items():
+        container = template["spec"]["containers"][0]
+        env = [e["name"] for e in container["env"]]
+        assert env.index("HF_TOKEN") > max(i for i, n in enumerate(env) if n.startswith("HYBRIDFLOW_")), name
+        assert container["volumeMounts"][0]["mountPath"] == contract.CONFIG_DIR, name
+        assert template["spec"]["volumes"][0]["configMap"]["name"] == "qwen-gsm8k-ppo-config", name
+        labels = template["metadata"]["labels"]
+        assert labels[names.JOB_LABEL] == "qwen-gsm8k-ppo" and labels[names.NAME_LABEL] == "hybridflow", name
+
+
+def test_without_pod_settings_the_pods_have_none_of_them() -> None:
+    job = example()
+    for key in ("volumes", "volumeMounts", "env"):
+        del job["spec"]["cluster"][key]
+    for template in templates_of(rayjob_of(job)).values():
+        assert not {"imagePullSecrets", "priorityClassName"} & set(template["spec"])
+        assert "annotations" not in template["metadata"]
+        assert "envFrom" not in template["spec"]["containers"][0]
+        assert all(v["name"] in ("hybridflow-config", "dshm") for v in template["spec"]["volumes"])
+    assert "annotations" not in by_kind(render_children(job, SETTINGS))["ServiceAccount"]["metadata"]
+
+
+def test_a_private_image_pulls_for_the_submitter_pod_too() -> None:
+    """KubeRay's default submitter pod has no imagePullSecrets; in K8sJobMode the RayJob names its own."""
+    job = with_pod_settings(example())
+    job["spec"]["cluster"]["image"] = "registry.example.com/rt:1"
+    submitter = rayjob_of(job)["spec"]["submitterPodTemplate"]
+    assert submitter["spec"]["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert submitter["spec"]["restartPolicy"] == "Never"
+    (container,) = submitter["spec"]["containers"]
+    assert container["image"] == "registry.example.com/rt:1" and "command" not in container  # KubeRay's command
+    assert "submitterPodTemplate" not in rayjob_of(example())["spec"]
+    job["spec"]["cluster"]["submissionMode"] = "HTTPMode"
+    assert "submitterPodTemplate" not in rayjob_of(job)["spec"]
+
+
+def test_the_runtime_service_account_carries_the_workload_identity_annotations() -> None:
+    children = by_kind(render_children(with_pod_settings(example()), SETTINGS))
+    sa = children["ServiceAccount"]
+    assert sa["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/trainer"}
+    for template in templates_of(children["RayJob"]).values():
+        assert template["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+
+
+JOB_LABELS = {
+    "team": "post-training",
+    "example.com/tier": "gold",
+    "kueue.x-k8s.io/priority-class": "high",
+    "kueue.x-k8s.io/queue-name": "not-this-way",
+    "app.kubernetes.io/instance": "argo-app",
+    "argocd.argoproj.io/instance": "argo-app",
+    "kustomize.toolkit.fluxcd.io/name": "flux-ks",
+    "helm.sh/chart": "x-1.0",
+    "node.kubernetes.io/instance-type": "a2",
+    "k8s.io/x": "y",
+    "hybridflow.io/job": "someone-else",
+    "ray.io/cluster": "someone-else",
+}
+
+
+def test_job_labels_reach_the_rayjob_and_pods_minus_reserved_domains() -> None:
+    job = example()
+    job["metadata"]["labels"] = dict(JOB_LABELS)
+    job["spec"]["cluster"]["queueName"] = "gpu-team-a"
+    rayjob = rayjob_of(job)
+    labels = rayjob["metadata"]["labels"]
+    assert {k: v for k, v in labels.items() if k in JOB_LABELS or k == names.QUEUE_LABEL} == {
+        "team": "post-training",
+        "example.com/tier": "gold",
+        "kueue.x-k8s.io/priority-class": "high",  # Kueue reads a workload's priority here
+        names.QUEUE_LABEL: "gpu-team-a",  # from spec.cluster.queueName, not from the job's labels
+        names.JOB_LABEL: "qwen-gsm8k-ppo",  # the operator's own, not the job's label of that name
+    }
+    for name, template in templates_of(rayjob).items():
+        pod = template["metadata"]["labels"]
+        assert {k: v for k, v in pod.items() if k in JOB_LABELS} == {
+            "team": "post-training", "example.com/tier": "gold", names.JOB_LABEL: "qwen-gsm8k-ppo"}, name
+        assert names.QUEUE_LABEL not in pod and "ray.io/cluster" not in pod
+
+
+def test_propagated_labels() -> None:
+    assert names.propagated_labels({"a": "1", "x.kubernetes.io/b": "2", "kubernetes.io/c": "3"}) == {"a": "1"}
+    assert names.propagated_labels({"kueue.x-k8s.io/priority-class": "p"}) == {}
+    assert names.propagated_labels({"kueue.x-k8s.io/priority-class": "p"},
+                                   passthrough=(names.PRIORITY_CLASS_LABEL,)) == {"kueue.x-k8s.io/priority-class": "p"}
+    assert names.propagated_labels({"notkubernetes.io/a": "1"}) == {"notkubernetes.io/a": "1"}
+
+
+def test_pod_labels_never_override_the_operators() -> None:
+    job = example()
+    job["spec"]["cluster"]["podLabels"] = {"app.kubernetes.io/name": "mine"}
+    for template in templates_of(rayjob_of(job)).values():
+        assert template["metadata"]["labels"][names.NAME_LABEL] == "hybridflow"
+
+
+def test_pod_settings_are_part_of_the_cluster_hash() -> None:
+    """KubeRay ignores them on a running cluster, so a change to them is reported as an ignored layout change."""
+    existing = rayjob_of(live(example()))
+    changed = live(example(), generation=2)
+    changed["spec"]["cluster"]["volumeMounts"][0]["mountPath"] = "/models"
+    assert layout_changed(existing, rayjob_of(changed))
+
+
+def test_every_volume_mount_and_variable_the_operator_sets_is_reserved_in_the_api() -> None:
+    """The API refuses the names the operator uses itself (hybridflow.api.pod keeps the list, apart from
+    hybridflow.k8s): render a job with all of them and check each one against the API's rules."""
+    job = with_reward_pool(example())
+    for key in ("volumes", "volumeMounts", "env"):
+        del job["spec"]["cluster"][key]
+    job["spec"]["cluster"]["nccl"] = {"socketIfname": "eth0", "ibHca": "mlx5", "ibDisable": True, "debug": "INFO"}
+    seen_env: set[str] = set()
+    for template in templates_of(rayjob_of(job)).values():
+        for volume in template["spec"]["volumes"]:
+            assert volume["name"] in pod_api.OPERATOR_VOLUMES
+        for mount in template["spec"]["containers"][0]["volumeMounts"]:
+            assert pod_api.mount_path_problem(mount["mountPath"]) is not None, mount
+        for env in template["spec"]["containers"][0]["env"]:
+            assert pod_api.env_name_problem(env["name"]) is not None, env
+            seen_env.add(env["name"])
+    assert {"NVIDIA_VISIBLE_DEVICES", "NCCL_CUMEM_ENABLE", "NCCL_SOCKET_IFNAME", contract.ENV_CONFIG} <= seen_env
+
+
+def test_service_account_annotations_are_patched_in_but_never_removed() -> None:
+    old = by_kind(render_children(live(example()), SETTINGS))["ServiceAccount"]
+    old["metadata"]["annotations"] = {"someone.example.com/else": "x"}
+    job = live(with_pod_settings(example()), generation=2)
+    new = by_kind(render_children(job, SETTINGS))["ServiceAccount"]
+    assert merge_patch(old, new) == {"metadata": {"annotations": POD_SETTINGS["serviceAccount"]["annotations"]}}
+    old["metadata"]["annotations"].update(new["metadata"]["annotations"])
+    assert merge_patch(old, new) is None
+    assert merge_patch(old, by_kind(render_children(live(example()), SETTINGS))["ServiceAccount"]) is None

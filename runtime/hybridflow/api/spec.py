@@ -2,50 +2,51 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 
 from hybridflow.api.base import ApiModel
+from hybridflow.api.pod import (
+    DNS_SUBDOMAIN,
+    MAX_ENV,
+    MAX_ENV_FROM,
+    MAX_IMAGE_PULL_SECRETS,
+    MAX_POD_METADATA,
+    MAX_VOLUME_MOUNTS,
+    MAX_VOLUMES,
+    OPERATOR_LABEL_DOMAINS,
+    EnvFromSource,
+    EnvVar,
+    LocalObjectReference,
+    ServiceAccountSettings,
+    Volume,
+    VolumeMount,
+    metadata_problems,
+    reserved_key_rule,
+)
+from hybridflow.api.schema import Quantity, list_map
+from hybridflow.api.schema import cel as _cel
+from hybridflow.api.schema import rules as _rules
 
 API_GROUP = "hybridflow.io"
 API_VERSION = "v1alpha1"
 KIND = "RLTrainingJob"
 PLURAL = "rltrainingjobs"
 
-Quantity = Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")]
 DnsLabel = Annotated[str, Field(min_length=1, max_length=40, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")]
 NodeName = Annotated[str, Field(min_length=1, max_length=40, pattern=r"^[a-z0-9]([-_a-z0-9]*[a-z0-9])?$")]
 Role = Literal["actor_rollout", "critic", "reward", "reference"]
 KL_KINDS = ("kl", "abs", "mse", "low_var_kl")
 
 
-def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
-    """One CEL rule for the CRD: the API server enforces it at admission, before the operator sees the job.
-
-    Rules guard fields with has() even where a default fills them: the API server also checks rules
-    against each `default: {}` itself, before nested defaults apply.
-    """
-    out = {"rule": rule, "message": message}
-    if field_path:
-        out["fieldPath"] = field_path
-    return out
-
-
-def _rules(*rules: dict[str, str]) -> dict[str, Any]:
-    """Schema extras carrying CEL rules (x-kubernetes-validations)."""
-    return {"x-kubernetes-validations": list(rules)}
-
-
 def _immutable(path: str) -> dict[str, Any]:
     """Transition rule: a running RayCluster ignores changes to these fields, so the API refuses them."""
     message = f"{path} is immutable once the job has been created; delete and recreate the job"
     return _rules(_cel("self == oldSelf", message))
-
-
-def _list_keyed_by_name(max_items: int) -> dict[str, Any]:
-    """A list the API server merges and de-duplicates by `name` (server-side apply, per-item oldSelf)."""
-    return {"maxItems": max_items, "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
 
 
 # Bounds on lists that CEL rules iterate, so the API server's cost estimate stays within its budget.
@@ -238,7 +239,7 @@ class Graph(ApiModel):
 
     nodes: list[GraphNode] = Field(
         min_length=1,
-        json_schema_extra=_list_keyed_by_name(MAX_GRAPH_NODES),
+        json_schema_extra=list_map(MAX_GRAPH_NODES),
     )
     edges: list[GraphEdge] = Field(default_factory=list, json_schema_extra={"maxItems": MAX_GRAPH_EDGES})
 
@@ -302,8 +303,24 @@ class WorkerGroup(ApiModel):
 
 
 class Cluster(ApiModel):
+    """Where and how the Ray pods run.
+
+    The pod settings a platform needs (volumes and mounts, env and envFrom, imagePullSecrets, pod
+    labels and annotations, priorityClassName) are explicit, typed fields rather than a free-form
+    pod-template patch: a CRD schema must be structural, and typed fields are validated at admission
+    (schema and CEL) and by `hybridflow validate`, each problem naming its field. They apply alike to
+    the head and to every worker group: the driver and the workers read the same model, data and
+    checkpoint paths, so one set of mounts and variables serves all pods.
+    """
+
     model_config = ApiModel.model_config | ConfigDict(
         json_schema_extra=_rules(
+            _cel(
+                "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes)"
+                " && self.volumes.exists(v, v.name == m.name))",
+                "every cluster.volumeMounts[].name must name a volume in cluster.volumes",
+                ".volumeMounts",
+            ),
             _cel(
                 "has(self.image) == has(oldSelf.image) && (!has(self.image) || self.image == oldSelf.image)",
                 "spec.cluster.image is immutable once the job has been created; delete and recreate the job",
@@ -335,7 +352,7 @@ class Cluster(ApiModel):
     head_memory: Quantity = "32Gi"
     worker_groups: list[WorkerGroup] = Field(
         default_factory=list,
-        json_schema_extra=_list_keyed_by_name(MAX_WORKER_GROUPS),
+        json_schema_extra=list_map(MAX_WORKER_GROUPS),
     )
     """One per graph pool; derived from the graph when empty."""
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -345,6 +362,67 @@ class Cluster(ApiModel):
     queue_name: str | None = None
     """Kueue LocalQueue; sets the kueue.x-k8s.io/queue-name label."""
     submission_mode: Literal["K8sJobMode", "HTTPMode"] = "K8sJobMode"
+    volumes: list[Volume] = Field(default_factory=list, json_schema_extra=list_map(MAX_VOLUMES))
+    """Volumes of every Ray pod: PVCs for models, data and checkpoints, Secrets, ConfigMaps, ..."""
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list, json_schema_extra=list_map(MAX_VOLUME_MOUNTS, "mountPath")
+    )
+    """Mounts of cluster.volumes into the Ray container of every pod."""
+    env: list[EnvVar] = Field(default_factory=list, json_schema_extra=list_map(MAX_ENV))
+    """Extra variables of every Ray container (after the operator's own, which they may reference)."""
+    env_from: list[EnvFromSource] = Field(default_factory=list, json_schema_extra={"maxItems": MAX_ENV_FROM})
+    """Every key of a Secret or ConfigMap as a variable of every Ray container."""
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, json_schema_extra=list_map(MAX_IMAGE_PULL_SECRETS)
+    )
+    """Secrets for pulling cluster.image from a private registry."""
+    service_account: ServiceAccountSettings | None = None
+    """The job's runtime ServiceAccount (every Ray pod runs as it): annotations for cloud workload identity."""
+    pod_labels: dict[str, str] = Field(
+        default_factory=dict,
+        json_schema_extra={"maxProperties": MAX_POD_METADATA} | _rules(reserved_key_rule(OPERATOR_LABEL_DOMAINS)),
+    )
+    """Labels of every Ray pod, over the job's own labels (which propagate, minus reserved prefixes)."""
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict,
+        json_schema_extra={"maxProperties": MAX_POD_METADATA} | _rules(reserved_key_rule(OPERATOR_LABEL_DOMAINS)),
+    )
+    """Annotations of every Ray pod (e.g. cluster-autoscaler.kubernetes.io/safe-to-evict: "false")."""
+    priority_class_name: str | None = Field(None, max_length=253, pattern=DNS_SUBDOMAIN)
+    """PriorityClass of every Ray pod (preemption order on the nodes)."""
+
+    @field_validator("volumes", "volume_mounts", "env", "image_pull_secrets")
+    @classmethod
+    def _unique(cls, items: list[Any], info: ValidationInfo) -> list[Any]:
+        key = "mount_path" if info.field_name == "volume_mounts" else "name"
+        twice = _duplicates(getattr(item, key) for item in items)
+        if twice:
+            raise ValueError(f"{to_camel(key)} {', '.join(map(repr, twice))} appears more than once")
+        return items
+
+    @field_validator("volume_mounts")
+    @classmethod
+    def _mount_volumes(cls, mounts: list[VolumeMount], info: ValidationInfo) -> list[VolumeMount]:
+        if "volumes" not in info.data:
+            return mounts  # the volumes are invalid themselves; that is the problem to report
+        volumes = {v.name for v in info.data["volumes"]}
+        missing = [f"volumeMounts[{i}] ({m.mount_path}) mounts volume {m.name!r}, which is not in cluster.volumes"
+                   for i, m in enumerate(mounts) if m.name not in volumes]
+        if missing:
+            raise ValueError("; ".join(missing))
+        return mounts
+
+    @field_validator("pod_labels", "pod_annotations")
+    @classmethod
+    def _valid_metadata(cls, items: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        problems = metadata_problems(items, labels=info.field_name == "pod_labels", reserved=OPERATOR_LABEL_DOMAINS)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return items
+
+
+def _duplicates(values: Iterable[str]) -> list[str]:
+    return [v for v, n in Counter(values).items() if n > 1]
 
 
 class RunPolicy(ApiModel):

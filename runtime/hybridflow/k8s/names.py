@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Collection, Mapping
 
 from hybridflow.api import API_GROUP, API_VERSION
+from hybridflow.api.pod import in_domains
 
 JOB_API_VERSION = f"{API_GROUP}/{API_VERSION}"
 MAX_RAYJOB_NAME = 47  # KubeRay: RayCluster names <= 53 and it appends "-" + 5 characters
@@ -22,6 +24,15 @@ POOL_LABEL = f"{API_GROUP}/pool"
 GENERATION_ANNOTATION = f"{API_GROUP}/generation"
 CLUSTER_HASH_ANNOTATION = f"{API_GROUP}/cluster-hash"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
+"""Kueue reads a workload's priority from this label on the RayJob: the job's passes through."""
+RESERVED_LABEL_DOMAINS = (
+    "kubernetes.io", "k8s.io", "x-k8s.io", API_GROUP, "ray.io", "argoproj.io", "fluxcd.io", "helm.sh",
+)
+"""Label domains (and their subdomains) a job's labels do not pass on to its RayJob and pods: Kubernetes'
+own, Kueue's and other SIG projects', the operator's and KubeRay's, and the GitOps tools' tracking labels
+(app.kubernetes.io/instance, argocd.argoproj.io/instance, ...), which would make Argo CD or Flux claim
+objects that are not in Git."""
 RAY_GROUP_LABEL = "ray.io/group"
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -52,3 +63,8 @@ def runtime_identity_name(job_name: str) -> str:
 def labels(job_name: str) -> dict[str, str]:
     """Every child carries these; JOB_LABEL maps a child (or a Ray pod) back to its job."""
     return {NAME_LABEL: "hybridflow", MANAGED_BY_LABEL: "hybridflow-operator", JOB_LABEL: job_name}
+
+
+def propagated_labels(job_labels: Mapping[str, str], passthrough: Collection[str] = ()) -> dict[str, str]:
+    """The job's labels its RayJob or pods carry too: all but those in RESERVED_LABEL_DOMAINS, except `passthrough`."""
+    return {k: v for k, v in job_labels.items() if k in passthrough or not in_domains(k, RESERVED_LABEL_DOMAINS)}

@@ -2,7 +2,9 @@
 
 A running RayJob takes only a few changes (KubeRay ignores the rest of rayClusterSpec after
 creation): suspend, the TTL and deadline, and the replicas of the rollout worker group. The
-ConfigMap and the Role are replaced wholesale by their desired content.
+ConfigMap and the Role are replaced wholesale by their desired content. The ServiceAccount's
+annotations (workload identity) are added or changed, never removed: cloud controllers and admins
+annotate it too, and the operator keeps no record of which keys were its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from hybridflow.k8s.names import CLUSTER_HASH_ANNOTATION, GENERATION_ANNOTATION
 RAYJOB_FIELDS = ("suspend", "ttlSecondsAfterFinished", "activeDeadlineSeconds")
 REPLICA_FIELDS = ("replicas", "minReplicas", "maxReplicas")
 MERGED_FIELDS = {"ConfigMap": ("data",), "Role": ("rules",), "RoleBinding": ("subjects",)}
+ANNOTATED_KINDS = ("ServiceAccount",)
 
 
 def controller_of(obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -42,9 +45,16 @@ def stale_owner(existing: Mapping[str, Any], owner: Mapping[str, Any] | None) ->
 
 
 def merge_patch(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> dict | None:
-    """Merge patch bringing a ConfigMap/Role/RoleBinding to its desired content, or None."""
+    """Merge patch bringing a ConfigMap/Role/RoleBinding to its desired content (a ServiceAccount to its
+    desired annotations), or None."""
     fields = MERGED_FIELDS.get(desired["kind"], ())
-    patch = {f: desired.get(f) for f in fields if existing.get(f) != desired.get(f)}
+    patch: dict[str, Any] = {f: desired.get(f) for f in fields if existing.get(f) != desired.get(f)}
+    if desired["kind"] in ANNOTATED_KINDS:
+        have = existing.get("metadata", {}).get("annotations") or {}
+        want = desired["metadata"].get("annotations") or {}
+        changed = {k: v for k, v in want.items() if have.get(k) != v}
+        if changed:
+            patch["metadata"] = {"annotations": changed}
     return patch or None
 
 

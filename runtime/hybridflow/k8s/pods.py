@@ -4,6 +4,11 @@ GPU pods: pinned to the GPU products of spec.cluster.gpuType, tolerate the nvidi
 limits equal requests (KubeRay reads GPUs from limits), a memory-backed /dev/shm of spec size, NCCL
 settings. Pods without GPUs get NVIDIA_VISIBLE_DEVICES=void so the container runtime hides the
 node's GPUs from them.
+
+The pod settings of spec.cluster (volumes, mounts, env, envFrom, imagePullSecrets, priorityClassName,
+pod labels and annotations) go into the head and every worker group alike, after the operator's own: its
+variables come first, so the user's may reference them as $(HYBRIDFLOW_JOB_NAME), and an explicit
+variable wins over envFrom in Kubernetes, so a Secret cannot shadow them.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class PodContext:
     service_account: str
     config_map: str
     labels: Mapping[str, str]
+    """Of every pod: the job's propagated labels, spec.cluster.podLabels, then the operator's."""
     cluster: Cluster
     gpu_products: Sequence[str]
 
@@ -90,15 +96,57 @@ def worker_group(plan: WorkerGroupPlan, ctx: PodContext) -> dict:
     }
 
 
+def submitter_template(ctx: PodContext) -> dict:
+    """KubeRay's default submitter pod (K8sJobMode) with the pull secrets of spec.cluster.
+
+    The default one runs the head's image without imagePullSecrets, so a private image would not pull;
+    KubeRay still fills in the command. Requests and limits are KubeRay's defaults.
+    """
+    container = {
+        "name": "ray-job-submitter",
+        "image": ctx.image,
+        "resources": {"requests": {"cpu": "500m", "memory": "200Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
+    }
+    spec = {
+        "restartPolicy": "Never",
+        "imagePullSecrets": [s.to_yaml_dict() for s in ctx.cluster.image_pull_secrets],
+        "containers": [container],
+    }
+    return {"spec": spec}  # no job label: the operator's pod watch is for Ray pods only
+
+
 def _template(ctx: PodContext, labels: dict, container: dict, volumes: list[dict], *, gpu: bool) -> dict:
+    """The pod template: the operator's container and volumes, then the pod settings of spec.cluster."""
+    cluster = ctx.cluster
     tolerations = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}] if gpu else []
-    tolerations += [t.to_yaml_dict() for t in ctx.cluster.tolerations]
+    tolerations += [t.to_yaml_dict() for t in cluster.tolerations]
+    volumes = [*volumes, *(v.to_yaml_dict() for v in cluster.volumes)]
+    container = _with_user_settings(container, cluster)
     spec: dict = {"serviceAccountName": ctx.service_account, "containers": [container], "volumes": volumes}
-    if ctx.cluster.node_selector:
-        spec["nodeSelector"] = dict(ctx.cluster.node_selector)
+    if cluster.image_pull_secrets:
+        spec["imagePullSecrets"] = [s.to_yaml_dict() for s in cluster.image_pull_secrets]
+    if cluster.priority_class_name:
+        spec["priorityClassName"] = cluster.priority_class_name
+    if cluster.node_selector:
+        spec["nodeSelector"] = dict(cluster.node_selector)
     if tolerations:
         spec["tolerations"] = tolerations
-    return {"metadata": {"labels": labels}, "spec": spec}
+    metadata: dict = {"labels": labels}
+    if cluster.pod_annotations:
+        metadata["annotations"] = dict(cluster.pod_annotations)
+    return {"metadata": metadata, "spec": spec}
+
+
+def _with_user_settings(container: dict, cluster: Cluster) -> dict:
+    """The container with spec.cluster's env, envFrom and volumeMounts after the operator's own."""
+    out = {
+        **container,
+        "env": [*container["env"], *(e.to_yaml_dict() for e in cluster.env)],
+        "volumeMounts": [*container["volumeMounts"], *(m.to_yaml_dict() for m in cluster.volume_mounts)],
+    }
+    if cluster.env_from:
+        out["envFrom"] = [e.to_yaml_dict() for e in cluster.env_from]
+    return out
 
 
 def _affinity(plan: WorkerGroupPlan, ctx: PodContext) -> dict:

@@ -17,7 +17,7 @@ from hybridflow.k8s import names
 from hybridflow.k8s.contract import CONFIG_FILE, ENTRYPOINT
 from hybridflow.k8s.errors import RenderError
 from hybridflow.k8s.layout import Layout, plan_layout
-from hybridflow.k8s.pods import PodContext, head_group, worker_group
+from hybridflow.k8s.pods import PodContext, head_group, submitter_template, worker_group
 from hybridflow.k8s.settings import RenderSettings
 
 __all__ = ["ENTRYPOINT", "RenderError", "Rendered", "as_job", "render", "render_children", "render_manifests"]
@@ -54,7 +54,7 @@ def render(job: Mapping[str, Any] | RLTrainingJob, settings: RenderSettings) -> 
     identity = names.runtime_identity_name(name)
     children = [
         _config_map(job, layout, namespace),
-        _object("v1", "ServiceAccount", identity, namespace),
+        _service_account(job, identity, namespace),
         _role(name, identity, namespace),
         _role_binding(identity, namespace),
         _rayjob(job, layout, settings, namespace),
@@ -111,6 +111,15 @@ def _config_map(job: RLTrainingJob, layout: Layout, namespace: str) -> dict:
     return cm
 
 
+def _service_account(job: RLTrainingJob, identity: str, namespace: str) -> dict:
+    """Every Ray pod runs as it; its annotations bind it to a cloud identity (GKE, EKS, AKS workload identity)."""
+    sa = _object("v1", "ServiceAccount", identity, namespace)
+    settings = job.spec.cluster.service_account
+    if settings is not None and settings.annotations:
+        sa["metadata"]["annotations"] = dict(settings.annotations)
+    return sa
+
+
 def _role(job_name: str, identity: str, namespace: str) -> dict:
     """Read this one job and patch its status (progress); nothing else."""
     role = _object("rbac.authorization.k8s.io/v1", "Role", identity, namespace)
@@ -139,7 +148,7 @@ def _rayjob(job: RLTrainingJob, layout: Layout, settings: RenderSettings, namesp
         image=cluster.image or settings.runtime_image,
         service_account=names.runtime_identity_name(name),
         config_map=names.config_map_name(name),
-        labels=names.labels(name),
+        labels={**names.propagated_labels(job.metadata.labels), **cluster.pod_labels, **names.labels(name)},
         cluster=cluster,
         gpu_products=tuple(settings.gpu_products.get(cluster.gpu_type, ())),
     )
@@ -159,10 +168,15 @@ def _rayjob(job: RLTrainingJob, layout: Layout, settings: RenderSettings, namesp
     }
     if policy.active_deadline_seconds is not None:
         spec["activeDeadlineSeconds"] = policy.active_deadline_seconds
+    if cluster.image_pull_secrets and cluster.submission_mode == "K8sJobMode":
+        spec["submitterPodTemplate"] = submitter_template(ctx)
     rayjob = _object("ray.io/v1", "RayJob", names.rayjob_name(name), namespace)
     rayjob["spec"] = spec
+    labels = names.propagated_labels(job.metadata.labels, passthrough=(names.PRIORITY_CLASS_LABEL,))
     if cluster.queue_name:
-        rayjob["metadata"]["labels"] = {names.QUEUE_LABEL: cluster.queue_name}
+        labels[names.QUEUE_LABEL] = cluster.queue_name
+    if labels:
+        rayjob["metadata"]["labels"] = labels
     annotations = {names.CLUSTER_HASH_ANNOTATION: cluster_hash(rayjob, layout.rollout_group)}
     generation = (job.metadata.model_extra or {}).get("generation")
     if generation is not None:
