@@ -380,15 +380,18 @@ def test_rendered_chart_is_accepted_and_its_rbac_suffices(helm: str, apiserver: 
     job_ns = namespaces[0] if namespaces else "jobs"
     checks = [
         ("watch", "rltrainingjobs.hybridflow.io"),
-        ("patch", "rltrainingjobs.hybridflow.io/status"),
+        ("patch", "rltrainingjobs.hybridflow.io", "--subresource=status"),
         ("create", "roles.rbac.authorization.k8s.io"),
         ("create", "events"),
     ]
     if kuberay:  # kubectl resolves resource names through discovery: ray.io exists only with its CRDs
         checks += [("create", "rayjobs.ray.io"), ("watch", "rayclusters.ray.io")]
-    for verb, resource in checks:
-        can = kubectl(apiserver, "auth", "can-i", verb, resource, "-n", job_ns, f"--as={sa}")
+    for verb, resource, *more in checks:
+        can = kubectl(apiserver, "auth", "can-i", verb, resource, *more, "-n", job_ns, f"--as={sa}")
         assert can.stdout.strip() == "yes", (verb, resource, can.stdout, can.stderr)
+    spec_patch = kubectl(apiserver, "auth", "can-i", "patch", "rltrainingjobs.hybridflow.io", "-n", job_ns,
+                         f"--as={sa}")
+    assert spec_patch.stdout.strip() == "no", "the operator writes a job's status, never its spec"
     assert kubectl(apiserver, "auth", "can-i", "list", "namespaces", f"--as={sa}").stdout.strip() == "no"
     assert kubectl(apiserver, "auth", "can-i", "get", "secrets", "-n", job_ns, f"--as={sa}").stdout.strip() == "no"
     if namespaces:
