@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Build the binaries of the e2e control plane from their Go modules, once per version.
 #
-#   e2e/toolchain/build.sh [component...]      (default: all components)
+#   e2e/toolchain/build.sh [component...]      (default: the control plane, without `node`)
 #
 # Components: etcd kube-apiserver kube-controller-manager kube-scheduler kwok kuberay helm kubectl
-# (a client matching the server's version), and kuberay-crds (only KubeRay's CRDs, which ship in
-# its Go module: seconds instead of minutes; the kuberay component copies them too).
+# (a client matching the server's version); kubelet kube-proxy coredns (the group `node`: the
+# real-node tier); kuberay-crds (only KubeRay's CRDs, from its Go module: seconds, not minutes).
 # Each lands in ${HYBRIDFLOW_CACHE:-$HOME/.cache/hybridflow}/bin/<component>-<version>/<binary>;
 # a binary already there is not rebuilt, so a warm run takes seconds. Versions come from the
 # wrapper modules next to this script (one per upstream, because their k8s.io pins differ).
@@ -16,13 +16,14 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CACHE=${HYBRIDFLOW_CACHE:-$HOME/.cache/hybridflow}
 BIN_ROOT=$CACHE/bin
 ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok kuberay helm kubectl)
+NODE=(kubelet kube-proxy coredns)
 
 export CGO_ENABLED=0
 # A fresh machine may have an older Go: let it fetch the toolchain a module asks for.
 export GOTOOLCHAIN=${GOTOOLCHAIN:-auto}
 
 usage() {
-  sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 find_go() {
@@ -54,14 +55,15 @@ module_version() {
 spec() {
   case $1 in
     etcd) echo "etcd go.etcd.io/etcd/server/v3 go.etcd.io/etcd/server/v3 etcd" ;;
-    kube-apiserver | kube-controller-manager | kube-scheduler | kubectl)
+    kube-apiserver | kube-controller-manager | kube-scheduler | kubectl | kubelet | kube-proxy)
       echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/$1 $1" ;;
     kwok) echo "kwok sigs.k8s.io/kwok sigs.k8s.io/kwok/cmd/kwok kwok" ;;
     kuberay | kuberay-crds)
       echo "kuberay github.com/ray-project/kuberay/ray-operator github.com/ray-project/kuberay/ray-operator ray-operator" ;;
     helm) echo "helm helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm helm" ;;
+    coredns) echo "coredns github.com/coredns/coredns github.com/coredns/coredns coredns" ;;
     *)
-      echo "build.sh: unknown component '$1' (known: ${ALL[*]} kuberay-crds)" >&2
+      echo "build.sh: unknown component '$1' (known: ${ALL[*]} ${NODE[*]} kuberay-crds, or the group 'node')" >&2
       exit 2
       ;;
   esac
@@ -140,7 +142,10 @@ main() {
     usage
     return
   fi
-  local components=("$@")
+  local components=()
+  for c in "$@"; do
+    if [[ $c == node ]]; then components+=("${NODE[@]}"); else components+=("$c"); fi
+  done
   [[ ${#components[@]} -gt 0 ]] || components=("${ALL[@]}")
   for c in "${components[@]}"; do spec "$c" >/dev/null; done
   mkdir -p "$BIN_ROOT"
