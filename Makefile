@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # install to a minute or two.
 VENV_STAMP := $(VENV)/.installed-$(firstword $(shell cksum < pyproject.toml))
 
-.PHONY: all venv run run-grpo test lint unit e2e e2e-kind toolchain cluster-up cluster-down bench clean
+.PHONY: all venv run run-grpo test lint unit e2e e2e-kind toolchain node-packages cluster-up cluster-up-kwok cluster-down bench clean
 
 all: test
 
@@ -38,7 +38,7 @@ lint: venv
 	$(PYTHON) -m hybridflow.api.crd --check
 
 # Everything: unit, real Ray, and the control-plane tests (built from Go modules on first use).
-test: lint
+test: lint node-packages
 	$(PYTHON) -m pytest -q -ra $(PYTEST_ARGS)
 
 unit: venv
@@ -54,7 +54,18 @@ e2e: venv toolchain
 e2e-kind: venv
 	bash e2e/kind/run.sh
 
-cluster-up: venv toolchain
+# Installs containerd, runc, the CNI plugins and the image builders from Debian when missing (root; seconds
+# when present).
+node-packages:
+	bash e2e/toolchain/install-node-packages.sh
+
+# The real-node tier (root): the control plane, one real kubelet node that doubles as an A100 node, the images,
+# the chart's operator from its image. Then `kubectl apply -f examples/tiny-ppo-job.yaml` trains in real pods.
+cluster-up: venv toolchain node-packages
+	$(PYTHON) -m e2e.harness up --real-nodes
+
+# The kwok tier alone: fake GPU nodes, no pod runs (no root needed).
+cluster-up-kwok: venv toolchain
 	$(PYTHON) -m e2e.harness up --full
 
 cluster-down: venv

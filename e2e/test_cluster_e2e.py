@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 import time
 import uuid
@@ -33,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 import pytest
 import yaml
 
-from e2e.harness import binaries
+from e2e.harness import chart
 from e2e.harness.controlplane import ControlPlane, KubectlClient, KubectlError, eventually
 from e2e.harness.operator import OperatorProcess
 from hybridflow.api import API_GROUP
@@ -44,9 +42,8 @@ from tests.helpers import condition, reward_pool_graph, unavailable, without_pod
 pytestmark = pytest.mark.controlplane
 
 ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "charts" / "hybridflow"
 EXAMPLE = ROOT / "examples" / "ppo-job.yaml"
-CRD_NAME = "rltrainingjobs.hybridflow.io"
+CRD_NAME = chart.CRD_NAME
 
 EXTERNAL_KUBECONFIG = os.environ.get("HYBRIDFLOW_E2E_KUBECONFIG", "")
 RELEASE = os.environ.get("HYBRIDFLOW_E2E_RELEASE", "hybridflow")
@@ -327,45 +324,16 @@ class E2E:
         return [line for line in self.operator.log()[self.log_mark :].splitlines() if FORBIDDEN.search(line)]
 
 
-def helm_binary() -> str:
-    found = binaries.find("helm") or shutil.which("helm")
-    if found:
-        return str(found)
-    unavailable("helm not found: run `bash e2e/toolchain/build.sh helm` (needs Go) or put helm on PATH")
-
-
-def helm(kube: KubectlClient, *args: str, timeout: float = 180.0) -> str:
-    cmd = [helm_binary(), f"--kubeconfig={kube.kubeconfig}", *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    if result.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr}{result.stdout}")
-    return result.stdout
+def helm(kube: KubectlClient, *args: str) -> str:
+    if chart.helm_binary() is None:
+        unavailable("helm not found: run `bash e2e/toolchain/build.sh helm` (needs Go) or put helm on PATH")
+    return chart.helm(kube, *args)
 
 
 def install_chart(cp: ControlPlane) -> None:
-    """helm install the chart, CRD included; the harness applied crds/ already, so helm adopts it."""
-    if cp.kubectl("get", "crd", CRD_NAME, check=False).returncode == 0:
-        cp.kubectl("label", "crd", CRD_NAME, "app.kubernetes.io/managed-by=Helm", "--overwrite")
-        cp.kubectl(
-            "annotate",
-            "crd",
-            CRD_NAME,
-            f"meta.helm.sh/release-name={RELEASE}",
-            f"meta.helm.sh/release-namespace={RELEASE_NAMESPACE}",
-            "--overwrite",
-        )
-    helm(
-        cp,
-        "upgrade",
-        "--install",
-        RELEASE,
-        str(CHART),
-        "--namespace",
-        RELEASE_NAMESPACE,
-        "--create-namespace",
-        "--wait",  # the operator pod passes admission and gets scheduled (kwok reports it Ready)
-        f"--timeout={int(WAIT_S)}s",
-    )
+    if chart.helm_binary() is None:
+        unavailable("helm not found: run `bash e2e/toolchain/build.sh helm` (needs Go) or put helm on PATH")
+    chart.install_chart(cp, RELEASE, RELEASE_NAMESPACE, timeout=WAIT_S)
 
 
 if EXTERNAL_KUBECONFIG:

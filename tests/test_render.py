@@ -691,17 +691,34 @@ def test_without_pod_settings_the_pods_have_none_of_them() -> None:
     assert "annotations" not in by_kind(render_children(job, SETTINGS))["ServiceAccount"]["metadata"]
 
 
-def test_a_private_image_pulls_for_the_submitter_pod_too() -> None:
-    """KubeRay's default submitter pod has no imagePullSecrets; in K8sJobMode the RayJob names its own."""
+def test_the_submitter_pod_gets_the_pod_settings_of_the_job() -> None:
+    """KubeRay's default submitter pod has none of the head's settings: without the pull secrets a private image
+    would not pull, without the tolerations it may find no node, without the variables and mounts an image that
+    needs them would not find `ray`. In K8sJobMode the RayJob names its own."""
     job = with_pod_settings(example())
-    job["spec"]["cluster"]["image"] = "registry.example.com/rt:1"
-    submitter = rayjob_of(job)["spec"]["submitterPodTemplate"]
-    assert submitter["spec"]["imagePullSecrets"] == [{"name": "registry-creds"}]
-    assert submitter["spec"]["restartPolicy"] == "Never"
-    (container,) = submitter["spec"]["containers"]
+    cluster = job["spec"]["cluster"]
+    cluster["image"] = "registry.example.com/rt:1"
+    cluster["tolerations"] = [{"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"}]
+    cluster["nodeSelector"] = {"pool": "training"}
+    spec = rayjob_of(job)["spec"]["submitterPodTemplate"]["spec"]
+    assert spec["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert spec["restartPolicy"] == "Never" and spec["priorityClassName"] == "training"
+    assert spec["tolerations"] == cluster["tolerations"]  # not the GPU taint: it runs no GPU work
+    assert spec["nodeSelector"] == {"pool": "training"}
+    assert spec["volumes"] == cluster["volumes"]
+    (container,) = spec["containers"]
     assert container["image"] == "registry.example.com/rt:1" and "command" not in container  # KubeRay's command
-    assert "submitterPodTemplate" not in rayjob_of(example())["spec"]
+    assert container["volumeMounts"] == cluster["volumeMounts"]
+    assert container["envFrom"] == [{"configMapRef": {"name": "training-env"}}]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}} in container["env"]
     job["spec"]["cluster"]["submissionMode"] = "HTTPMode"
+    assert "submitterPodTemplate" not in rayjob_of(job)["spec"]
+
+
+def test_without_pod_settings_kuberays_default_submitter_runs() -> None:
+    job = example()
+    for key in ("volumes", "volumeMounts", "env", "envFrom", "imagePullSecrets", "tolerations", "nodeSelector"):
+        job["spec"]["cluster"].pop(key, None)
     assert "submitterPodTemplate" not in rayjob_of(job)["spec"]
 
 

@@ -1,7 +1,9 @@
-"""Command line: python -m e2e.harness up [--full] [--state-dir DIR] | down | status | build.
+"""Command line: python -m e2e.harness up [--full | --real-nodes] [--state-dir DIR] | down | status | build.
 
 `up` starts a control plane whose processes outlive the command and records them in
-<state-dir>/state.json; `down` stops them.
+<state-dir>/state.json; `down` stops them. `--real-nodes` (root) adds a real kubelet node that doubles as an
+A100 node, the images of `make images`, the chart's operator from its image, and a `checkpoints` claim in the
+default namespace: `kubectl apply -f examples/tiny-ppo-job.yaml` then trains in real pods.
 Default state dir: ${HYBRIDFLOW_CACHE:-~/.cache/hybridflow}/cluster.
 """
 
@@ -15,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import binaries
-from .controlplane import ControlPlane, Process
+from . import binaries, images, realcluster
+from .controlplane import ControlPlane, Process, StartupError
+from .nodes import NodeSetupError
 
 REPO_CRDS = Path(__file__).resolve().parents[2] / "crds"
 
@@ -37,7 +40,9 @@ def read_state(state_dir: Path) -> dict[str, Any] | None:
 
 def running_processes(state: dict[str, Any]) -> list[str]:
     """Names of recorded processes that are still alive (pid and executable both match)."""
-    procs = [Process(p["name"], int(p["pid"]), list(p["argv"]), Path(p["log"])) for p in state["processes"]]
+    entries = state["processes"] if "processes" in state else [
+        *state["control_plane"]["processes"], *state["node"]["processes"]]
+    procs = [Process(p["name"], int(p["pid"]), list(p["argv"]), Path(p["log"])) for p in entries]
     return [p.name for p in procs if p.running()]
 
 
@@ -48,6 +53,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"already up: KUBECONFIG={previous['kubeconfig']} (run `down` first)", file=sys.stderr)
         return 1
     work_dir = state_dir / "run"
+    if args.real_nodes:
+        return _up_real_nodes(work_dir, state_dir)
     shutil.rmtree(work_dir, ignore_errors=True)
     crd_dirs = args.crds if args.crds is not None else ([REPO_CRDS] if REPO_CRDS.is_dir() else [])
     t0 = time.monotonic()
@@ -67,11 +74,32 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up_real_nodes(work_dir: Path, state_dir: Path) -> int:
+    t0 = time.monotonic()
+    try:
+        cluster = realcluster.up_for_users(work_dir)
+    except (NodeSetupError, StartupError, images.ImageBuildError) as exc:
+        print(f"real-node cluster did not start: {exc}", file=sys.stderr)
+        return 1
+    state = cluster.state() | {"started_s": round(time.monotonic() - t0, 1)}
+    _state_file(state_dir).write_text(json.dumps(state, indent=2))
+    print(f"real-node cluster up in {state['started_s']}s: node {cluster.node_name} (A100 x8, fake), "
+          f"the operator from its image, claim default/checkpoints")
+    print("try: kubectl apply -f examples/tiny-ppo-job.yaml && kubectl get rlj -w")
+    print(f"export KUBECONFIG={cluster.kubeconfig}")
+    return 0
+
+
 def cmd_down(args: argparse.Namespace) -> int:
     state = read_state(args.state_dir)
     if state is None:
         print(f"nothing to stop: no {_state_file(args.state_dir)}")
         return 0
+    if state.get("kind") == "real-nodes":
+        problems = realcluster.RealNodeCluster.stop_from_state(state)
+        _state_file(args.state_dir).unlink(missing_ok=True)
+        print("stopped the real-node cluster; host state restored" + (f" except: {problems}" if problems else ""))
+        return 1 if problems else 0
     stopped = ControlPlane.stop_from_state(state, remove_work_dir=True)
     _state_file(args.state_dir).unlink(missing_ok=True)
     print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
@@ -104,7 +132,10 @@ def parser() -> argparse.ArgumentParser:
     state.add_argument("--state-dir", type=Path, default=default_state_dir())
 
     up = sub.add_parser("up", parents=[state], help="start a control plane that keeps running")
-    up.add_argument("--full", action="store_true", help="controller-manager, scheduler, kwok, KubeRay too")
+    tier = up.add_mutually_exclusive_group()
+    tier.add_argument("--full", action="store_true", help="controller-manager, scheduler, kwok, KubeRay too")
+    tier.add_argument("--real-nodes", action="store_true",
+                      help="--full plus a real kubelet node (root), the images and the chart's operator")
     up.add_argument("--no-fleet", action="store_true", help="with --full: do not create the fake GPU nodes")
     up.add_argument("--crds", type=Path, nargs="*", help=f"CRD directories to install (default: {REPO_CRDS})")
     up.add_argument("--timeout", type=float, default=120.0, help="seconds each component may take to start")

@@ -45,6 +45,9 @@ COMPONENTS: dict[str, Component] = {
         Component("kuberay-crds", "kuberay", KUBERAY_MODULE, None, cache_name="kuberay"),
         Component("helm", "helm", "helm.sh/helm/v3", "helm"),
         Component("kubectl", "kubernetes", "k8s.io/kubernetes", "kubectl"),
+        Component("kubelet", "kubernetes", "k8s.io/kubernetes", "kubelet"),
+        Component("kube-proxy", "kubernetes", "k8s.io/kubernetes", "kube-proxy"),
+        Component("coredns", "coredns", "github.com/coredns/coredns", "coredns"),
     )
 }
 MINIMAL = ("etcd", "kube-apiserver")

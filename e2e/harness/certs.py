@@ -178,15 +178,16 @@ def make_service_account_keys(directory: Path) -> KeyPair:
     return KeyPair(pub_path, _write_key(key, directory / "sa.key"))
 
 
-def generate(directory: Path) -> PKI:
-    """Everything a fresh control plane needs, written under `directory`."""
+def generate(directory: Path, extra_hosts: tuple[str, ...] = ()) -> PKI:
+    """Everything a fresh control plane needs, written under `directory`; the serving certificate is also valid
+    for `extra_hosts` (the bridge address real nodes reach the API server at)."""
     directory.mkdir(parents=True, exist_ok=True)
     serving_ca = make_ca(directory, "serving-ca")
     client_ca = make_ca(directory, "client-ca")
     return PKI(
         directory=directory,
         serving_ca=serving_ca,
-        serving=make_serving_cert(serving_ca, directory),
+        serving=make_serving_cert(serving_ca, directory, tuple(dict.fromkeys(SERVING_HOSTS + extra_hosts))),
         client_ca=client_ca,
         service_account=make_service_account_keys(directory),
         admin=make_client_cert(client_ca, directory, "admin", ("system:masters",)),

@@ -33,6 +33,7 @@ import yaml
 from . import binaries, certs
 
 SERVICE_CIDR = "10.0.0.0/24"
+LOOPBACK = "127.0.0.1"
 KWOK_NODE_SELECTOR = "kwok.x-k8s.io/node=fake"
 GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 A100 = "NVIDIA-A100-SXM4-80GB"
@@ -432,8 +433,14 @@ class ControlPlane(KubectlClient):
         allow_build: bool = True,
         timeout: float = 120.0,
         extra_apiserver_args: Sequence[str] = (),
+        address: str = LOOPBACK,
+        kuberay_args: Sequence[str] = (),
     ) -> None:
         self.full = full
+        # Loopback unless real nodes need to reach the API server: then the address of their bridge, with the Node
+        # authorizer and NodeRestriction a kubelet is meant to run under.
+        self.address = address
+        self.kuberay_args = list(kuberay_args)
         self.extra_apiserver_args = list(extra_apiserver_args)  # e.g. an audit log, for benchmarks
         self.crd_dirs = [Path(d) for d in crd_dirs]
         if install_kuberay_crds is None:  # default: when available; always for the operator, which needs them
@@ -455,7 +462,11 @@ class ControlPlane(KubectlClient):
 
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.ports.apiserver}"
+        return f"https://{self.address}:{self.ports.apiserver}"
+
+    @property
+    def real_nodes(self) -> bool:
+        return self.address != LOOPBACK
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -472,7 +483,7 @@ class ControlPlane(KubectlClient):
             self.work_dir.mkdir(parents=True, exist_ok=True)
             bins = binaries.ensure(binaries.FULL if self.full else binaries.MINIMAL, self.allow_build)
             self.timings["binaries"] = time.monotonic() - t0
-            self.pki = certs.generate(self.work_dir / "pki")
+            self.pki = certs.generate(self.work_dir / "pki", extra_hosts=(self.address,))
             self._start_etcd(bins["etcd"])
             self._start_apiserver(bins["kube-apiserver"])
             self.timings["apiserver_ready"] = time.monotonic() - t0
@@ -593,20 +604,30 @@ class ControlPlane(KubectlClient):
             f"--tls-cert-file={pki.serving.cert}",
             f"--tls-private-key-file={pki.serving.key}",
             f"--client-ca-file={pki.client_ca.cert}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            f"--bind-address={self.address}",
+            f"--advertise-address={self.address}",
             f"--secure-port={self.ports.apiserver}",
-            "--authorization-mode=RBAC",
+            f"--authorization-mode={'Node,RBAC' if self.real_nodes else 'RBAC'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--allow-privileged=true",
             f"--service-account-issuer={self.server}",
             f"--service-account-key-file={pki.service_account.cert}",
             f"--service-account-signing-key-file={pki.service_account.key}",
-            # The only address is loopback, which Endpoints reject: keep the `kubernetes` Service
-            # without endpoints instead of logging a failed sync every ten seconds.
-            "--endpoint-reconciler-type=none",
             "--profiling=false",
         ]
+        if self.real_nodes:
+            # Pods reach the API server through the `kubernetes` Service, whose endpoint is the bridge address;
+            # logs and exec go from the API server to the kubelet with the admin identity.
+            args += [
+                "--enable-admission-plugins=NodeRestriction",
+                f"--kubelet-client-certificate={pki.admin.cert}",
+                f"--kubelet-client-key={pki.admin.key}",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
+        else:
+            # The only address is loopback, which Endpoints reject: keep the `kubernetes` Service
+            # without endpoints instead of logging a failed sync every ten seconds.
+            args.append("--endpoint-reconciler-type=none")
         if not self.full:
             # Without kube-controller-manager no `default` ServiceAccount ever appears, and the
             # ServiceAccount admission plugin would reject every Pod (envtest does the same).
@@ -663,6 +684,7 @@ class ControlPlane(KubectlClient):
                 "--bind-address=127.0.0.1",
                 f"--secure-port={self.ports.controller_manager}",
                 f"--cert-dir={self.work_dir / 'kcm-certs'}",
+                f"--flex-volume-plugin-dir={self.work_dir / 'flex-volumes'}",  # not /usr/libexec/kubernetes
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
             ],
             lambda: f"https://127.0.0.1:{self.ports.controller_manager}/healthz",
@@ -709,6 +731,7 @@ class ControlPlane(KubectlClient):
                 f"--metrics-addr=127.0.0.1:{self.ports.kuberay_metrics}",
                 f"--health-probe-bind-address=127.0.0.1:{self.ports.kuberay_probe}",
                 "--log-stdout-encoder=console",
+                *self.kuberay_args,
             ],
             lambda: f"http://127.0.0.1:{self.ports.kuberay_probe}/readyz",
         ))

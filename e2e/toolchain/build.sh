@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the binaries of the e2e control plane from their Go modules, once per version.
 #
-#   e2e/toolchain/build.sh [component...]      (default: the control plane, without `node`)
+#   e2e/toolchain/build.sh [component...]      (default: all components)
 #
 # Components: etcd kube-apiserver kube-controller-manager kube-scheduler kwok kuberay helm kubectl
 # (a client matching the server's version); kubelet kube-proxy coredns (the group `node`: the
@@ -73,7 +73,7 @@ spec() {
 ldflags() {
   local flags="-s -w"
   case $1 in
-    kube-* | kubectl)
+    kube-* | kubectl | kubelet)
       local major minor
       major=${2#v}; major=${major%%.*}
       minor=${2#v*.}; minor=${minor%%.*}
@@ -146,7 +146,7 @@ main() {
   for c in "$@"; do
     if [[ $c == node ]]; then components+=("${NODE[@]}"); else components+=("$c"); fi
   done
-  [[ ${#components[@]} -gt 0 ]] || components=("${ALL[@]}")
+  [[ ${#components[@]} -gt 0 ]] || components=("${ALL[@]}" "${NODE[@]}")
   for c in "${components[@]}"; do spec "$c" >/dev/null; done
   mkdir -p "$BIN_ROOT"
   # Two test sessions must not build the same binary at once.

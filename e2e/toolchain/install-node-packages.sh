@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what a real kubelet node and the image builds need, from Debian: containerd, runc, the CNI
-# plugins, iptables and conntrack (kube-proxy), busybox-static (the pause image), debootstrap, buildah,
+# plugins, iptables, nftables and conntrack (kube-proxy; teardown), busybox-static (the pause image), debootstrap, buildah,
 # umoci and skopeo (images without a Docker engine).
 #
 #   sudo e2e/toolchain/install-node-packages.sh        (idempotent: seconds when all are present)
@@ -9,7 +9,7 @@
 set -euo pipefail
 
 PACKAGES=(containerd runc containernetworking-plugins iptables conntrack busybox-static
-          debootstrap buildah umoci skopeo fuse-overlayfs)
+          debootstrap buildah umoci skopeo fuse-overlayfs nftables)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -21,7 +21,9 @@ if [[ ${#missing[@]} -eq 0 ]]; then
 fi
 if [[ $(id -u) -ne 0 ]]; then
   echo "install-node-packages: missing ${missing[*]}; run this script as root" >&2
-  exit 2
+  # Outside CI the real-node tests then skip, saying why; under CI=true they must run.
+  [[ ${CI:-} == true ]] && exit 2
+  exit 0
 fi
 start=$SECONDS
 export DEBIAN_FRONTEND=noninteractive

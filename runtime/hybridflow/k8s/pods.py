@@ -97,32 +97,40 @@ def worker_group(plan: WorkerGroupPlan, ctx: PodContext) -> dict:
 
 
 def submitter_template(ctx: PodContext) -> dict:
-    """KubeRay's default submitter pod (K8sJobMode) with the pull secrets of spec.cluster.
+    """KubeRay's default submitter pod (K8sJobMode) with the pod settings of spec.cluster.
 
-    The default one runs the head's image without imagePullSecrets, so a private image would not pull;
-    KubeRay still fills in the command. Requests and limits are KubeRay's defaults.
+    The default one runs the head's image and nothing else of the head's pod: without the job's pull secrets a
+    private image would not pull, without its tolerations and node selector it may have no node to go to, and
+    an image that needs the job's variables or mounts to find `ray` would not start. KubeRay fills in the
+    command; requests and limits are KubeRay's defaults.
     """
-    container = {
+    cluster = ctx.cluster
+    container = _with_user_settings({
         "name": "ray-job-submitter",
         "image": ctx.image,
         "resources": {"requests": {"cpu": "500m", "memory": "200Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
-    }
-    spec = {
-        "restartPolicy": "Never",
-        "imagePullSecrets": [s.to_yaml_dict() for s in ctx.cluster.image_pull_secrets],
-        "containers": [container],
-    }
+        "env": [],
+        "volumeMounts": [],
+    }, cluster)
+    spec: dict = {"restartPolicy": "Never", "containers": [container]}
+    spec |= _scheduling(cluster, gpu=False)
+    if cluster.volumes:
+        spec["volumes"] = [v.to_yaml_dict() for v in cluster.volumes]
     return {"spec": spec}  # no job label: the operator's pod watch is for Ray pods only
 
 
-def _template(ctx: PodContext, labels: dict, container: dict, volumes: list[dict], *, gpu: bool) -> dict:
-    """The pod template: the operator's container and volumes, then the pod settings of spec.cluster."""
-    cluster = ctx.cluster
+def needs_submitter_template(cluster: Cluster) -> bool:
+    """Whether KubeRay's default submitter pod would lack something the job's pods need."""
+    return cluster.submission_mode == "K8sJobMode" and bool(
+        cluster.image_pull_secrets or cluster.tolerations or cluster.node_selector or cluster.env
+        or cluster.env_from or cluster.volumes or cluster.priority_class_name)
+
+
+def _scheduling(cluster: Cluster, *, gpu: bool) -> dict:
+    """Pull secrets, priority, node selector and tolerations of a pod (GPU pods tolerate the GPU taint)."""
     tolerations = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}] if gpu else []
     tolerations += [t.to_yaml_dict() for t in cluster.tolerations]
-    volumes = [*volumes, *(v.to_yaml_dict() for v in cluster.volumes)]
-    container = _with_user_settings(container, cluster)
-    spec: dict = {"serviceAccountName": ctx.service_account, "containers": [container], "volumes": volumes}
+    spec: dict = {}
     if cluster.image_pull_secrets:
         spec["imagePullSecrets"] = [s.to_yaml_dict() for s in cluster.image_pull_secrets]
     if cluster.priority_class_name:
@@ -131,6 +139,16 @@ def _template(ctx: PodContext, labels: dict, container: dict, volumes: list[dict
         spec["nodeSelector"] = dict(cluster.node_selector)
     if tolerations:
         spec["tolerations"] = tolerations
+    return spec
+
+
+def _template(ctx: PodContext, labels: dict, container: dict, volumes: list[dict], *, gpu: bool) -> dict:
+    """The pod template: the operator's container and volumes, then the pod settings of spec.cluster."""
+    cluster = ctx.cluster
+    volumes = [*volumes, *(v.to_yaml_dict() for v in cluster.volumes)]
+    container = _with_user_settings(container, cluster)
+    spec: dict = {"serviceAccountName": ctx.service_account, "containers": [container], "volumes": volumes}
+    spec |= _scheduling(cluster, gpu=gpu)
     metadata: dict = {"labels": labels}
     if cluster.pod_annotations:
         metadata["annotations"] = dict(cluster.pod_annotations)

@@ -17,7 +17,7 @@ from hybridflow.k8s import names
 from hybridflow.k8s.contract import CONFIG_FILE, ENTRYPOINT
 from hybridflow.k8s.errors import RenderError
 from hybridflow.k8s.layout import Layout, plan_layout
-from hybridflow.k8s.pods import PodContext, head_group, submitter_template, worker_group
+from hybridflow.k8s.pods import PodContext, head_group, needs_submitter_template, submitter_template, worker_group
 from hybridflow.k8s.settings import RenderSettings
 
 __all__ = ["ENTRYPOINT", "RenderError", "Rendered", "as_job", "render", "render_children", "render_manifests"]
@@ -168,7 +168,7 @@ def _rayjob(job: RLTrainingJob, layout: Layout, settings: RenderSettings, namesp
     }
     if policy.active_deadline_seconds is not None:
         spec["activeDeadlineSeconds"] = policy.active_deadline_seconds
-    if cluster.image_pull_secrets and cluster.submission_mode == "K8sJobMode":
+    if needs_submitter_template(cluster):
         spec["submitterPodTemplate"] = submitter_template(ctx)
     rayjob = _object("ray.io/v1", "RayJob", names.rayjob_name(name), namespace)
     rayjob["spec"] = spec
