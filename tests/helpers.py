@@ -82,7 +82,8 @@ def reward_pool_graph(reward_resources: Mapping[str, float]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class BadPodSetting:
     """spec.cluster pod settings that cannot work, refused alike by the models and the API server (CEL):
-    both name `field` and say `says`, unless the API server's own check (a list-map's duplicate key) speaks."""
+    both name `field` and say `says`, unless the API server's own check (a list-map's duplicate key, a
+    value's JSON type or length) speaks."""
 
     case: str
     cluster: dict[str, Any]
@@ -158,4 +159,28 @@ BAD_POD_SETTINGS = [
                   "spec.cluster.podLabels", "belong to the operator and KubeRay"),
     BadPodSetting("pod-annotation-of-the-operator", {"podAnnotations": {"hybridflow.io/generation": "1"}},
                   "spec.cluster.podAnnotations", "belong to the operator and KubeRay"),
+]
+
+# The two CPU amounts of spec.cluster (a Kubernetes CPU quantity: cores or millicores), refused by the models
+# and by the CRD's rule with one message; for a value of the wrong JSON type or longer than the schema's
+# maxLength, the API server's own check speaks instead (and no rule runs).
+_CPU_AMOUNT = "must be a CPU amount above 0 and at most 1024 cores"
+_NOT_INT_OR_STRING = "must be of type integer,string"
+BAD_CPU_AMOUNTS: list[tuple[Any, str | None]] = [
+    (0, None), (-1, None), (1025, None), ("0", None), ("0m", None), ("-1", None), ("1025", None), ("1024.5", None),
+    ("1024001m", None), ("1.0001", None), ("1.5m", None), ("1Gi", None), ("500M", None), ("two", None), ("", None),
+    (1.5, _NOT_INT_OR_STRING), (True, _NOT_INT_OR_STRING), ("1" * 17, "Too long"),
+]
+
+
+def _cpu_fields(value: Any) -> list[tuple[str, dict[str, Any], str]]:
+    group = {"name": "default", "cpusPerWorker": value}
+    return [("headCpus", {"headCpus": value}, "spec.cluster.headCpus"),
+            ("cpusPerWorker", {"workerGroups": [group]}, "spec.cluster.workerGroups[0].cpusPerWorker")]
+
+
+BAD_POD_SETTINGS += [
+    BadPodSetting(f"{name}-{value!r}", cluster, field, _CPU_AMOUNT, api_says=api_says)
+    for value, api_says in BAD_CPU_AMOUNTS
+    for name, cluster, field in _cpu_fields(value)
 ]

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from hybridflow.api import RLTrainingJob, SpecError, load_job, parse_job
+from hybridflow.api.schema import cpu_cores
 from tests.conftest import EXAMPLES
 from tests.helpers import BAD_POD_SETTINGS, BadPodSetting
 
@@ -112,6 +113,21 @@ def test_pod_settings_that_cannot_work_name_their_field(bad: BadPodSetting) -> N
     problems = info.value.problems
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"{bad.field}: ") and bad.says in problems[0], problems
+
+
+CPU_AMOUNTS = [(2, 2, 2.0), ("2", "2", 2.0), ("1.5", "1.5", 1.5), ("500m", "500m", 0.5), ("0.001", "0.001", 0.001),
+               ("1024000m", "1024000m", 1024.0), (1024, 1024, 1024.0), (2.0, 2, 2.0)]
+
+
+@pytest.mark.parametrize(("written", "kept", "cores"), CPU_AMOUNTS, ids=[repr(c[0]) for c in CPU_AMOUNTS])
+def test_cpu_amounts_are_kept_as_written_and_read_as_cores(written: object, kept: object, cores: float) -> None:
+    """As Kubernetes spells them, so the pods request exactly that; 2.0 is the integer 2 in JSON."""
+    group = {"name": "default", "cpusPerWorker": written}
+    cluster = parse_job(job_with_cluster({"headCpus": written, "workerGroups": [group]})).spec.cluster
+    for amount in (cluster.head_cpus, cluster.worker_groups[0].cpus_per_worker):
+        assert amount == kept and type(amount) is type(kept)
+        assert cpu_cores(amount) == pytest.approx(cores)
+    assert cluster.to_yaml_dict()["headCpus"] == kept
 
 
 def test_pod_settings_round_trip_in_kubernetes_spelling() -> None:

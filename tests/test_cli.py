@@ -67,6 +67,31 @@ def test_render_shows_the_examples_mounts_and_secret(tmp_path) -> None:
         in head["containers"][0]["env"]
 
 
+def test_validate_and_render_take_cpu_quantities(tmp_path, example_doc) -> None:
+    doc = example_doc("ppo-job.yaml")
+    doc["spec"]["cluster"]["headCpus"] = "250m"
+    for group in doc["spec"]["cluster"]["workerGroups"]:
+        group["cpusPerWorker"] = "500m"
+    path = write(tmp_path, doc)
+    assert "headCpus: 250m" in Path(path).read_text()
+    out = hybridflow("validate", path)
+    assert out.returncode == 0, out.stderr
+    out = hybridflow("render", path)
+    assert out.returncode == 0, out.stderr
+    assert "cpu: 250m" in out.stdout
+    rayjob = next(d for d in yaml.safe_load_all(out.stdout) if d["kind"] == "RayJob")
+    workers = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert {g["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] for g in workers} == {"500m"}
+
+
+def test_validate_names_a_cpu_amount_that_is_not_one(tmp_path, example_doc) -> None:
+    doc = example_doc("ppo-job.yaml")
+    doc["spec"]["cluster"]["headCpus"] = "1Gi"
+    out = hybridflow("validate", write(tmp_path, doc))
+    assert_clean_failure(out, "1 problem", "spec.cluster.headCpus: must be a CPU amount above 0 and at most 1024 "
+                         "cores", "(got '1Gi')")
+
+
 def test_malformed_yaml(tmp_path) -> None:
     assert_clean_failure(hybridflow("validate", write(tmp_path, "spec: [a\n")), "malformed YAML: line 2")
 

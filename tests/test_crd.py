@@ -71,6 +71,9 @@ FORBIDDEN_KEYS = {"$ref", "$defs", "anyOf", "allOf", "oneOf", "not", "title", "c
 
 def test_schema_is_structural(schema: dict[str, Any]) -> None:
     for path, node in walk(schema):
+        if node.get("x-kubernetes-int-or-string"):
+            assert "type" not in node, f"{path}: an int-or-string has no type"
+            continue
         assert "type" in node, f"{path or '.'}: every node needs a type"
         assert not FORBIDDEN_KEYS & node.keys(), f"{path or '.'}: {sorted(FORBIDDEN_KEYS & node.keys())}"
         assert node.get("additionalProperties") is not False, f"{path}: additionalProperties: false"
@@ -106,6 +109,16 @@ def test_optional_fields_are_nullable_and_enums_come_from_literals(schema: dict[
     assert at(schema, ".spec.cluster.nodeSelector")["additionalProperties"] == {"type": "string"}
     assert at(schema, ".spec.cluster.gpuType")["pattern"] == "^[A-Za-z0-9][A-Za-z0-9-]*$"
     assert at(schema, ".spec.graph")["required"] == ["nodes"]
+
+
+def test_cpu_amounts_are_int_or_string_with_one_rule(schema: dict[str, Any]) -> None:
+    """Either CPU field takes 2 or "500m"; the type's rule, not a type or a pattern, says what is allowed."""
+    for path in (".spec.cluster.headCpus", ".spec.cluster.workerGroups[].cpusPerWorker"):
+        node = at(schema, path)
+        assert node["x-kubernetes-int-or-string"] is True and "type" not in node, path
+        (rule,) = node["x-kubernetes-validations"]
+        assert rule["message"].startswith("must be a CPU amount above 0 and at most 1024 cores"), path
+    assert at(schema, ".spec.cluster.headCpus")["default"] == 8
 
 
 def test_nested_models_default_to_empty_objects(schema: dict[str, Any]) -> None:
@@ -613,6 +626,18 @@ def test_api_server_stores_pod_settings_as_written(apiserver: Any) -> None:
 
 
 @controlplane
+def test_api_server_stores_cpu_amounts_as_written(apiserver: Any) -> None:
+    groups = [{"name": "a", "cpusPerWorker": "500m"}, {"name": "b", "cpusPerWorker": "1.5"},
+              {"name": "c", "cpusPerWorker": 2}, {"name": "d", "cpusPerWorker": "1024000m"}]
+    obj = job(cluster={"headCpus": "250m", "workerGroups": copy.deepcopy(groups)})
+    result = create(apiserver, obj)
+    assert result.returncode == 0, result.stderr
+    stored = get(apiserver, obj["metadata"]["name"])["spec"]["cluster"]
+    assert stored["headCpus"] == "250m"
+    assert [g["cpusPerWorker"] for g in stored["workerGroups"]] == ["500m", "1.5", 2, "1024000m"]
+
+
+@controlplane
 def test_api_server_rejects_names_that_are_not_dns_labels(apiserver: Any) -> None:
     result = create(apiserver, job("my.job"))
     assert result.returncode != 0 and "metadata.name must be a DNS label" in result.stderr
@@ -645,6 +670,11 @@ IMMUTABLE_PATCHES = [
     (
         "worker-shape",
         {"cluster": {"workerGroups": [{"name": "default", "replicas": 2, "gpusPerWorker": 4}, {"name": "spare"}]}},
+        "gpusPerWorker, cpusPerWorker and memory are immutable",
+    ),
+    (
+        "worker-cpus",
+        {"cluster": {"workerGroups": [{"name": "default", "replicas": 2, "cpusPerWorker": "500m"}, {"name": "spare"}]}},
         "gpusPerWorker, cpusPerWorker and memory are immutable",
     ),
     (

@@ -14,6 +14,7 @@ from hybridflow.api import pod as pod_api
 from hybridflow.k8s import contract, names
 from hybridflow.k8s.errors import RenderError
 from hybridflow.k8s.patches import layout_changed, merge_patch, ownership_problem, rayjob_patch, stale_owner
+from hybridflow.k8s.pods import cpu_slots
 from hybridflow.k8s.render import ENTRYPOINT, render, render_children, render_manifests
 from hybridflow.k8s.settings import DEFAULT_GPU_PRODUCTS, RenderSettings, SettingsError, parse_gpu_products
 from hybridflow_operator.settings import from_env
@@ -373,6 +374,33 @@ def test_custom_graph_without_groups_derives_them_from_pool_demand() -> None:
     assert gpus == {"actor": "8", "critic": "8", "reward": None}
     assert (groups["actor"]["replicas"], groups["critic"]["replicas"], groups["reward"]["replicas"]) == (2, 1, 1)
     assert groups["reward"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == "16"
+
+
+def test_cpu_amounts_render_as_written_and_a_cpu_pool_gets_whole_slots() -> None:
+    job = with_reward_pool(example())
+    job["spec"]["cluster"]["headCpus"] = "250m"
+    job["spec"]["cluster"]["workerGroups"][0]["cpusPerWorker"] = "500m"
+    job["spec"]["cluster"]["workerGroups"][2]["cpusPerWorker"] = "1.5"
+    rayjob = rayjob_of(job)
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["resources"] == {"requests": {"cpu": "250m", "memory": "32Gi"},
+                                 "limits": {"cpu": "250m", "memory": "32Gi"}}
+    groups = groups_of(rayjob)
+    assert groups["actor"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "500m"
+    reward = groups["reward"]["template"]["spec"]["containers"][0]["resources"]
+    assert reward["requests"]["cpu"] == reward["limits"]["cpu"] == "1.5"
+    # 1.5 cores: 2 slots, the CPUs Ray counts on the pod (KubeRay rounds the limit up for num-cpus)
+    assert json.loads(json.loads(groups["reward"]["rayStartParams"]["resources"])) == {
+        contract.pool_resource("reward"): 2}
+    # a GPU group's slots are its GPUs, whatever its CPUs
+    assert json.loads(json.loads(groups["actor"]["rayStartParams"]["resources"])) == {
+        contract.pool_resource("actor"): 8}
+
+
+@pytest.mark.parametrize(("cpus", "slots"), [(1, 1), (16, 16), ("16", 16), ("1.5", 2), ("500m", 1), ("1m", 1),
+                                             ("2000m", 2), ("2001m", 3)])
+def test_cpu_slots_round_cores_up(cpus: int | str, slots: int) -> None:
+    assert cpu_slots(cpus) == slots
 
 
 # -- errors the CRD cannot catch ---------------------------------------------------------------------------

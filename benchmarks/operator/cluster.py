@@ -26,6 +26,7 @@ from benchmarks.common import RssSampler
 from e2e.harness import certs
 from e2e.harness import operator as harness_operator
 from e2e.harness.controlplane import A100, ControlPlane, NodePool, write_kubeconfig
+from hybridflow.api.schema import CpuAmount, cpu_cores
 
 ROOT = Path(__file__).resolve().parent.parent
 OPERATOR_USER = "hybridflow-operator"
@@ -82,11 +83,11 @@ class AuditedControlPlane(ControlPlane):
         return write_kubeconfig(self.work_dir / f"{user}.kubeconfig", self.server, self.pki.serving_ca.cert, pair, user)
 
 
-def bench_fleet(max_jobs: int, head_cpus: int, submitter_cpus: float = 1.0) -> list[NodePool]:
+def bench_fleet(max_jobs: int, head_cpus: CpuAmount, submitter_cpus: float = 1.0) -> list[NodePool]:
     """DGX-A100-shaped GPU nodes for one 1-GPU worker per job, and CPU nodes for heads and submitter pods."""
     gpu_nodes = math.ceil(max_jobs / GPUS_PER_NODE)
     cpu_pods = 2 * max_jobs  # a head and KubeRay's submitter pod per job
-    cpu_nodes = max(math.ceil(max_jobs * (head_cpus + submitter_cpus) / CPU_NODE_CPUS),
+    cpu_nodes = max(math.ceil(max_jobs * (cpu_cores(head_cpus) + submitter_cpus) / CPU_NODE_CPUS),
                     math.ceil(cpu_pods / CPU_NODE_PODS))
     return [
         NodePool("bench-a100", gpu_nodes, "96", "1152Gi", "p4de.24xlarge", A100, GPUS_PER_NODE, 81920,

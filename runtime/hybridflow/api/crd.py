@@ -46,6 +46,9 @@ HEADER = (
     "# (python -m hybridflow.api.crd). Do not edit: change the models and regenerate.\n"
 )
 
+# Marks an integer-or-string field (such as a CPU amount); the API server wants it without a `type`.
+_INT_OR_STRING = "x-kubernetes-int-or-string"
+
 # Keys the API server rejects or that carry no meaning for it.
 _DROPPED_KEYS = {"title", "examples", "$schema", "discriminator", "readOnly", "writeOnly", "deprecated"}
 
@@ -155,9 +158,9 @@ class _Structural:
                 out[key] = value
         if nullable:
             out["nullable"] = True
-        if "type" not in out:
+        if "type" not in out and out.get(_INT_OR_STRING) is not True:
             raise ValueError(f"{path or '.'}: schema node without a type: {sorted(out)}")
-        if out["type"] == "object" and "properties" not in out and "additionalProperties" not in out:
+        if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:
             raise ValueError(f"{path or '.'}: free-form object; give it a model or a dict value type")
         return out
 
@@ -182,6 +185,7 @@ _KEY_ORDER = [
     "properties",
     "additionalProperties",
     "items",
+    "x-kubernetes-int-or-string",
     "x-kubernetes-list-type",
     "x-kubernetes-list-map-keys",
     "x-kubernetes-validations",

@@ -28,7 +28,7 @@ from hybridflow.api.pod import (
     metadata_problems,
     reserved_key_rule,
 )
-from hybridflow.api.schema import Quantity, list_map
+from hybridflow.api.schema import CpuAmount, Quantity, list_map
 from hybridflow.api.schema import cel as _cel
 from hybridflow.api.schema import rules as _rules
 
@@ -298,7 +298,8 @@ class WorkerGroup(ApiModel):
     min_replicas: int | None = Field(None, ge=0)
     max_replicas: int | None = Field(None, ge=0)
     gpus_per_worker: int = Field(8, ge=0, le=16)
-    cpus_per_worker: int = Field(32, ge=1, le=1024)
+    cpus_per_worker: CpuAmount = 32
+    """CPU of each pod: cores (32, "1.5") or millicores ("500m"); a pod without GPUs has ceil(cores) pool slots."""
     memory: Quantity = "512Gi"
 
 
@@ -348,7 +349,8 @@ class Cluster(ApiModel):
     image: str | None = None
     """Runtime image; the operator's default when empty."""
     ray_version: str = "2.60.0"
-    head_cpus: int = Field(8, ge=1)
+    head_cpus: CpuAmount = 8
+    """CPU of the head pod: cores (8, "1.5") or millicores ("500m"); it runs the driver, no training."""
     head_memory: Quantity = "32Gi"
     worker_groups: list[WorkerGroup] = Field(
         default_factory=list,

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from hybridflow.api import RLTrainingJobSpec, WorkerGroup
+from hybridflow.api.schema import CpuAmount
 from hybridflow.graph import DataflowGraph, GraphError
 from hybridflow.k8s.errors import RenderError
 from hybridflow.plan import ResourcePlan, resource_plan, trainable_graph
@@ -30,7 +31,7 @@ class WorkerGroupPlan:
     min_replicas: int
     max_replicas: int
     gpus: int
-    cpus: int
+    cpus: CpuAmount
     memory: str
     source: str
     """Where the group came from, for error messages: spec.cluster.workerGroups[i] or spec.graph."""

@@ -14,10 +14,12 @@ variable wins over envFrom in Kubernetes, so a Secret cannot shadow them.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridflow.api import Cluster
+from hybridflow.api.schema import CpuAmount, cpu_cores
 from hybridflow.k8s.contract import CONFIG_DIR, CONFIG_PATH, ENV_CONFIG, ENV_JOB_NAME, ENV_JOB_NAMESPACE, pool_resource
 from hybridflow.k8s.layout import WorkerGroupPlan
 from hybridflow.k8s.names import JOB_LABEL, POOL_LABEL, RAY_GROUP_LABEL
@@ -84,7 +86,7 @@ def worker_group(plan: WorkerGroupPlan, ctx: PodContext) -> dict:
     affinity = _affinity(plan, ctx)
     if affinity:
         template["spec"]["affinity"] = affinity
-    slots = plan.gpus if gpu else plan.cpus
+    slots = plan.gpus if gpu else cpu_slots(plan.cpus)
     return {
         "groupName": plan.name,
         "replicas": plan.replicas,
@@ -182,7 +184,17 @@ def _affinity(plan: WorkerGroupPlan, ctx: PodContext) -> dict:
     return affinity
 
 
-def _resources(cpus: int, memory: str, gpus: int) -> dict:
+def cpu_slots(cpus: CpuAmount) -> int:
+    """Slots of a CPU pool's Ray resource on one pod: its cores rounded up, at least one.
+
+    Up, as KubeRay rounds the pod's CPU limit up for Ray's num-cpus, so the slots match the CPUs Ray
+    counts on the pod; down would leave a 500m pod with no slot, and nothing of its pool could run.
+    """
+    return max(1, math.ceil(cpu_cores(cpus)))
+
+
+def _resources(cpus: CpuAmount, memory: str, gpus: int) -> dict:
+    """The amounts as written: Kubernetes reads "500m" and 2 itself; limits equal requests."""
     amounts = {"cpu": str(cpus), "memory": memory}
     if gpus:
         amounts[GPU_RESOURCE] = str(gpus)
