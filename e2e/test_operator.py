@@ -26,7 +26,7 @@ from e2e.harness.operator import OperatorProcess
 from hybridflow.k8s import names
 from hybridflow.k8s.render import render_children
 from hybridflow.k8s.settings import RenderSettings
-from tests.helpers import condition, without_pod_storage
+from tests.helpers import condition, kuberay_resources, without_pod_storage
 
 pytestmark = pytest.mark.controlplane
 
@@ -229,7 +229,7 @@ def test_example_job_gets_its_owned_children_and_a_rayjob_kuberay_accepts(
     assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
         "matchExpressions"
     ][0]["values"] == ["NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"]
-    assert json.loads(json.loads(actor["rayStartParams"]["resources"])) == {"pool_actor": 8}
+    assert kuberay_resources(actor["rayStartParams"]["resources"]) == {"pool_actor": 8}
 
     # the status says what is happening, in kstatus terms
     job = wait_job(

@@ -12,18 +12,21 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from e2e.harness import images
 from e2e.harness.controlplane import eventually
 from e2e.harness.hoststate import HostSnapshot, read_sysctl
 from e2e.harness.nodes import NODE_NAME, NodeNetwork, guard_rule, missing_host_tools
 from e2e.harness.operator import OperatorProcess
 from e2e.harness.realcluster import RealNodeCluster, with_host_runtime
+from e2e.harness.realcluster import node_images as node_images_of
 from tests.helpers import condition, in_ci
 
 pytestmark = pytest.mark.realnodes
@@ -44,7 +47,7 @@ def _unavailable() -> str | None:
     return None
 
 
-def _require() -> None:
+def require_real_nodes() -> None:
     reason = _unavailable()
     if reason is None:
         return
@@ -55,12 +58,11 @@ def _require() -> None:
 
 @pytest.fixture(scope="module")
 def node_images() -> tuple[dict[str, Path], str, str]:
-    """(archives to import, pause image, node-base image), built once and cached by their inputs."""
-    _require()
-    from e2e.harness import images
-
-    built = images.build(["pause", "node-base"])
-    return built, images.name("pause"), images.name("node-base")
+    """(reference -> archive to import, pause image, node-base image), built once and cached by their inputs."""
+    require_real_nodes()
+    wanted = (images.PAUSE, images.NODE_BASE)
+    built = images.build(wanted)
+    return node_images_of(built, wanted), built[images.PAUSE].ref, built[images.NODE_BASE].ref
 
 
 def test_teardown_restores_the_host(node_images: tuple[dict[str, Path], str, str],
@@ -96,16 +98,6 @@ def real_cluster(node_images: tuple[dict[str, Path], str, str],
     finally:
         problems = cluster.stop()
         assert problems == [], problems
-
-
-@pytest.fixture(scope="module")
-def operator(real_cluster: RealNodeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    log = tmp_path_factory.mktemp("real-operator") / "operator.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDFLOW_")}
-    proc = OperatorProcess(log, env | {"KUBECONFIG": str(real_cluster.kubeconfig)})
-    proc.start()
-    yield proc
-    proc.stop()
 
 
 def test_the_node_is_a_ready_a100_node(real_cluster: RealNodeCluster) -> None:
@@ -168,57 +160,131 @@ def test_the_guard_drops_pod_packets_bound_off_the_machine(
 # -- training ---------------------------------------------------------------------------------------------------
 
 
-def _job(path: Path, namespace: str, image: str) -> dict[str, Any]:
-    job = yaml.safe_load(path.read_text())
-    job["metadata"]["namespace"] = namespace
-    return with_host_runtime(job, image)
+@dataclass
+class RunResult:
+    """How a job ended, and what was seen on the way."""
+
+    job: dict[str, Any]
+    progress: list[dict[str, Any]]  # status.progress, each time its step changed
+    steps: list[tuple[float, int]]  # (monotonic time, step) of each line the metrics file gained
+    first_step_s: float
+    wall_s: float
+    metrics_file: Path
+
+    @property
+    def final_reward(self) -> float:
+        return float(self.job["status"]["progress"]["rewardMean"])
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+
+    def first_step_after(self, t: float) -> float:
+        return next(at for at, _ in self.steps if at > t) - t
+
+    def describe(self) -> str:
+        return json.dumps(self.job.get("status"), indent=1)[-3000:]
+
+    def assert_succeeded(self, min_reward: float) -> None:
+        assert condition(self.job, "Succeeded")["status"] == "True", self.describe()
+        steps = [p["step"] for p in self.progress]
+        assert steps == sorted(steps) and len(steps) >= 3, steps  # kubectl get rlj showed Step rising
+        rewards = [p["rewardMean"] for p in self.progress if p.get("rewardMean") is not None]
+        assert rewards[-1] > rewards[0], rewards
+        final = self.job["status"]["progress"]
+        assert final["step"] == final["totalSteps"] and self.final_reward >= min_reward, final
+        checkpoints = sorted(p.name for p in self.metrics_file.parent.iterdir() if p.name.startswith("step_"))
+        assert checkpoints, f"no checkpoint in {self.metrics_file.parent}"
 
 
-def _train(cluster: RealNodeCluster, operator: OperatorProcess, example: Path, image: str,
-           namespace: str) -> dict[str, Any]:
-    """kubectl apply the example; follow status.progress until the job ends; return what was seen."""
-    cluster.kubectl("create", "namespace", namespace)
-    checkpoints = cluster.hostpath_volume("checkpoints", namespace)
-    job = _job(example, namespace, image)
-    name = job["metadata"]["name"]
-    t0 = time.monotonic()
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(job))
-    seen: list[dict[str, Any]] = []
-    first_step_s = None
-    deadline = t0 + RUN_S
-    while time.monotonic() < deadline:
-        found = cluster.get_json("rltrainingjob", name, "-n", namespace)
+class JobRun:
+    """One RLTrainingJob applied with kubectl into a namespace of its own, with a `checkpoints` claim on a local
+    volume; followed through status.progress and the metrics file the runtime writes next to its checkpoints."""
+
+    def __init__(self, cluster: RealNodeCluster, job: dict[str, Any], namespace: str) -> None:
+        self.cluster = cluster
+        self.job = json.loads(json.dumps(job))
+        self.namespace = namespace
+        self.name = self.job["metadata"]["name"]
+        self.job["metadata"]["namespace"] = namespace
+        self.progress: list[dict[str, Any]] = []
+        self.steps: list[tuple[float, int]] = []
+        self.t0 = 0.0
+        self.volume = Path()
+        self.metrics_file = Path()
+        self._lines = 0
+
+    def apply(self) -> None:
+        self.cluster.kubectl("create", "namespace", self.namespace)
+        self.volume = self.cluster.hostpath_volume("checkpoints", self.namespace)
+        mount = next(m["mountPath"] for m in self.job["spec"]["cluster"]["volumeMounts"] if m["name"] == "checkpoints")
+        inside = Path(self.job["spec"]["trainer"]["checkpoint"]["path"]).relative_to(mount)
+        self.metrics_file = self.volume / inside / "metrics.jsonl"
+        self.t0 = time.monotonic()
+        self.cluster.kubectl("apply", "-f", "-", input=json.dumps(self.job))
+
+    def poll(self) -> dict[str, Any]:
+        """Read the job and any new metrics lines; returns the job."""
+        found = self.cluster.get_json("rltrainingjob", self.name, "-n", self.namespace)
         progress = found.get("status", {}).get("progress") or {}
-        if progress.get("step") and (not seen or seen[-1].get("step") != progress["step"]):
-            seen.append(progress)
-            first_step_s = first_step_s or time.monotonic() - t0
-        done = [c for c in found.get("status", {}).get("conditions", [])
-                if c["type"] in ("Succeeded", "Failed") and c["status"] == "True"]
-        if done:
-            return {"job": found, "progress": seen, "first_step_s": first_step_s,
-                    "wall_s": time.monotonic() - t0, "checkpoints": checkpoints}
-        time.sleep(2)
-    pods = cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
-    raise AssertionError(f"{name} did not finish in {RUN_S:.0f}s; progress {seen[-3:]}\n{pods}\n{operator.tail()}")
+        if progress.get("step") and (not self.progress or self.progress[-1].get("step") != progress["step"]):
+            self.progress.append(progress)
+        if self.metrics_file.is_file():
+            lines = [line for line in self.metrics_file.read_text().splitlines() if line.strip()]
+            now = time.monotonic()
+            if len(lines) < self._lines:  # rolled back to a checkpoint: the file was cut
+                self._lines = len(lines)
+            for line in lines[self._lines:]:
+                self.steps.append((now, int(json.loads(line)["step"])))
+            self._lines = len(lines)
+        return found
+
+    def _until(self, check: Callable[[dict[str, Any]], bool], what: str, timeout: float = RUN_S) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.poll()
+            if check(found):
+                return found
+            time.sleep(0.5)
+        pods = self.cluster.kubectl("get", "pods", "-n", self.namespace, "-o", "wide", check=False).stdout
+        raise AssertionError(f"{self.namespace}/{self.name}: {what} not within {timeout:.0f}s; "
+                             f"last progress {self.progress[-1:]}\n{pods}")
+
+    def wait_for_step(self, step: int) -> int:
+        """Until the metrics show `step` done; returns the newest step."""
+        self._until(lambda _: bool(self.steps) and self.steps[-1][1] >= step, f"step {step}")
+        return self.steps[-1][1]
+
+    def seconds_until_step_after(self, t: float) -> float:
+        self._until(lambda _: any(at > t for at, _ in self.steps), "a step after the fault")
+        return next(at for at, _ in self.steps if at > t) - t
+
+    def to_end(self) -> RunResult:
+        if not self.t0:
+            self.apply()
+        found = self._until(lambda job: any(c["type"] in ("Succeeded", "Failed") and c["status"] == "True"
+                                            for c in job.get("status", {}).get("conditions", [])), "the end")
+        first = self.steps[0][0] - self.t0 if self.steps else float("nan")
+        return RunResult(found, self.progress, self.steps, first, time.monotonic() - self.t0, self.metrics_file)
 
 
-@pytest.mark.parametrize("example", [TINY_PPO, TINY_GRPO], ids=["ppo", "grpo"])
-def test_a_tiny_job_trains_in_real_pods_to_succeeded(real_cluster: RealNodeCluster, operator: OperatorProcess,
-                                                     node_images: tuple[dict[str, Path], str, str],
-                                                     example: Path) -> None:
-    namespace = f"real-{example.stem}"
-    result = _train(real_cluster, operator, example, node_images[2], namespace)
-    job = result["job"]
-    assert condition(job, "Succeeded")["status"] == "True", json.dumps(job.get("status"), indent=1)
-    steps = [p["step"] for p in result["progress"]]
-    assert steps == sorted(steps) and len(steps) >= 3, steps
-    rewards = [p["reward"] for p in result["progress"] if p.get("reward") is not None]
-    assert rewards[-1] > rewards[0]
-    final = job["status"]["progress"]
-    assert final["step"] == 80 and final["reward"] >= MIN_FINAL_REWARD, final
-    rayjob = real_cluster.get_json("rayjob", job["metadata"]["name"], "-n", namespace)
+@pytest.fixture(scope="module")
+def operator(real_cluster: RealNodeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    log = tmp_path_factory.mktemp("real-operator") / "operator.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDFLOW_")}
+    proc = OperatorProcess(log, env | {"KUBECONFIG": str(real_cluster.kubeconfig)})
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def test_tiny_grpo_trains_in_real_pods_to_succeeded(real_cluster: RealNodeCluster, operator: OperatorProcess,
+                                                    node_images: tuple[dict[str, Path], str, str]) -> None:
+    """kubectl apply of examples/tiny-grpo-job.yaml (on the minimal image with this machine's Python): the Ray
+    pods start, KubeRay's submitter runs `hybridflow train`, status.progress rises, the job ends Succeeded."""
+    job = with_host_runtime(yaml.safe_load(TINY_GRPO.read_text()), node_images[2])
+    result = JobRun(real_cluster, job, "real-grpo").to_end()
+    result.assert_succeeded(MIN_FINAL_REWARD)
+    rayjob = real_cluster.get_json("rayjob", result.job["metadata"]["name"], "-n", "real-grpo")
     assert rayjob["status"]["jobStatus"] == "SUCCEEDED"
-    saved = sorted(p.name for p in (result["checkpoints"] / job["metadata"]["name"]).iterdir())
-    assert saved, "no checkpoint on the claim's volume"
-    print(f"\n{example.stem}: apply->first step {result['first_step_s']:.1f}s, wall {result['wall_s']:.1f}s, "
-          f"final reward {final['reward']:.3f}, checkpoints {saved}")
+    print(f"\nGRPO: apply->first step {result.first_step_s:.1f}s, wall {result.wall_s:.1f}s, "
+          f"final reward {result.final_reward:.3f}")

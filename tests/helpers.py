@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shlex
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,3 +186,12 @@ BAD_POD_SETTINGS += [
     for value, api_says in BAD_CPU_AMOUNTS
     for name, cluster, field in _cpu_fields(value)
 ]
+
+
+def kuberay_resources(raw: str) -> dict:
+    """A worker group's rayStartParams.resources read the way KubeRay reads it (quotes trimmed, JSON), and as
+    bash passes it to `ray start` (shell-split): both must give the same object."""
+    parsed = json.loads(raw.strip("'\"` "))
+    (arg,) = shlex.split(f"--resources={raw}")
+    assert json.loads(arg.removeprefix("--resources=")) == parsed
+    return parsed

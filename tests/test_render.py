@@ -18,7 +18,7 @@ from hybridflow.k8s.pods import cpu_slots
 from hybridflow.k8s.render import ENTRYPOINT, render, render_children, render_manifests
 from hybridflow.k8s.settings import DEFAULT_GPU_PRODUCTS, RenderSettings, SettingsError, parse_gpu_products
 from hybridflow_operator.settings import from_env
-from tests.helpers import reward_pool_graph
+from tests.helpers import kuberay_resources, reward_pool_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = RenderSettings()
@@ -273,7 +273,7 @@ def test_each_group_advertises_a_ray_resource_naming_its_pool() -> None:
     for name, group in groups_of(rayjob_of(example())).items():
         raw = group["rayStartParams"]["resources"]
         assert isinstance(raw, str)
-        assert json.loads(json.loads(raw)) == {f"pool_{name}": 8}
+        assert kuberay_resources(raw) == {f"pool_{name}": 8}
 
 
 def test_spec_tolerations_and_node_selector_reach_every_pod() -> None:
@@ -390,10 +390,10 @@ def test_cpu_amounts_render_as_written_and_a_cpu_pool_gets_whole_slots() -> None
     reward = groups["reward"]["template"]["spec"]["containers"][0]["resources"]
     assert reward["requests"]["cpu"] == reward["limits"]["cpu"] == "1.5"
     # 1.5 cores: 2 slots, the CPUs Ray counts on the pod (KubeRay rounds the limit up for num-cpus)
-    assert json.loads(json.loads(groups["reward"]["rayStartParams"]["resources"])) == {
+    assert kuberay_resources(groups["reward"]["rayStartParams"]["resources"]) == {
         contract.pool_resource("reward"): 2}
     # a GPU group's slots are its GPUs, whatever its CPUs
-    assert json.loads(json.loads(groups["actor"]["rayStartParams"]["resources"])) == {
+    assert kuberay_resources(groups["actor"]["rayStartParams"]["resources"]) == {
         contract.pool_resource("actor"): 8}
 
 

@@ -78,7 +78,7 @@ def _up_real_nodes(work_dir: Path, state_dir: Path) -> int:
     t0 = time.monotonic()
     try:
         cluster = realcluster.up_for_users(work_dir)
-    except (NodeSetupError, StartupError, images.ImageBuildError) as exc:
+    except (NodeSetupError, StartupError, images.ImageError) as exc:
         print(f"real-node cluster did not start: {exc}", file=sys.stderr)
         return 1
     state = cluster.state() | {"started_s": round(time.monotonic() - t0, 1)}

@@ -154,6 +154,9 @@ def kubelet_config(net: NodeNetwork, dirs: Mapping[str, Path], port: int, health
         },
         "authorization": {"mode": "Webhook"},
         "cgroupDriver": "cgroupfs",
+        # Requests still decide what fits on the node; without a CFS quota a 250m head is not throttled to a
+        # quarter core while Ray's dashboard starts, on a machine with two cores in all.
+        "cpuCFSQuota": False,
         "failSwapOn": False,
         "failCgroupV1": False,
         "clusterDNS": [net.gateway],

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import chart
+from . import chart, images
 from .controlplane import ControlPlane, KubectlClient, eventually
 from .hoststate import HostSnapshot, remove_tree
 from .nodes import NODE_NAME, NodeNetwork, RealNode, preflight, stop_node
@@ -158,7 +158,8 @@ def with_host_runtime(job: dict[str, Any], image: str) -> dict[str, Any]:
     cluster["image"] = image
     for i, mounted in enumerate(host_runtime_paths()):
         name = f"host-runtime-{i}"
-        cluster.setdefault("volumes", []).append({"name": name, "hostPath": {"path": str(mounted), "type": "Directory"}})
+        volume = {"name": name, "hostPath": {"path": str(mounted), "type": "Directory"}}
+        cluster.setdefault("volumes", []).append(volume)
         cluster.setdefault("volumeMounts", []).append({"name": name, "mountPath": str(mounted), "readOnly": True})
     search = f"{Path(sys.prefix).resolve() / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     cluster.setdefault("env", []).append({"name": "PATH", "value": search})
@@ -167,7 +168,12 @@ def with_host_runtime(job: dict[str, Any], image: str) -> dict[str, Any]:
 
 RELEASE = "hybridflow"
 RELEASE_NAMESPACE = "hybridflow-system"
-USER_IMAGES = ("pause", "operator", "runtime-cpu")
+USER_IMAGES = (images.PAUSE, images.OPERATOR, images.RUNTIME_CPU)
+
+
+def node_images(built: Mapping[str, images.BuiltImage], names: Sequence[str]) -> dict[str, Path]:
+    """Reference -> archive of the images a node needs (the bases built along are left out)."""
+    return {built[n].ref: built[n].archive for n in names}
 
 
 def operator_values(operator_image: str, runtime_image: str) -> dict[str, Any]:
@@ -184,12 +190,12 @@ def operator_values(operator_image: str, runtime_image: str) -> dict[str, Any]:
 def up_for_users(work_dir: Path) -> RealNodeCluster:
     """What `make cluster-up` gives: the real-node cluster, the runtime and operator images imported, the chart's
     operator running from its image, and a `checkpoints` claim in the default namespace."""
-    built = images.build(list(USER_IMAGES))
-    cluster = RealNodeCluster(work_dir, built, images.reference("pause"), detach=True)
+    built = images.build(USER_IMAGES)
+    cluster = RealNodeCluster(work_dir, node_images(built, USER_IMAGES), built[images.PAUSE].ref, detach=True)
     cluster.start()
     try:
         chart.install_chart(cluster, RELEASE, RELEASE_NAMESPACE,
-                            operator_values(images.reference("operator"), images.reference("runtime-cpu")))
+                            operator_values(built[images.OPERATOR].ref, built[images.RUNTIME_CPU].ref))
         cluster.hostpath_volume("checkpoints", "default")
     except BaseException:
         cluster.stop()

@@ -61,6 +61,14 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_metrics_path(job: RLTrainingJob, local: bool) -> str:
+    """runs/<name>/ on a laptop; in a cluster, next to the checkpoints: the driver's working directory dies with
+    its pod, the checkpoint volume outlives the job (and a resumed run appends to the same file)."""
+    if local:
+        return str(Path("runs") / job.metadata.name / "metrics.jsonl")
+    return str(Path(job.spec.trainer.checkpoint.path) / "metrics.jsonl")
+
+
 def _train(args: argparse.Namespace, config: str, local: bool) -> int:
     try:
         job = load_job(config)
@@ -80,7 +88,7 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
     if problems:
         print(SpecError(config, problems).render(), file=sys.stderr)
         return 1
-    metrics_out = args.metrics_out or str(Path("runs") / job.metadata.name / "metrics.jsonl")
+    metrics_out = args.metrics_out or default_metrics_path(job, local)
     bar = _ProgressBar(job.spec.trainer.total_steps, enabled=not args.quiet)
     t0 = time.perf_counter()
     try:

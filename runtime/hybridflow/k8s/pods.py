@@ -87,15 +87,27 @@ def worker_group(plan: WorkerGroupPlan, ctx: PodContext) -> dict:
     if affinity:
         template["spec"]["affinity"] = affinity
     slots = plan.gpus if gpu else cpu_slots(plan.cpus)
+    params = {"resources": ray_resources_param({pool_resource(plan.name): slots})}
+    if gpu:
+        params["num-gpus"] = str(plan.gpus)  # Ray's logical GPUs, whatever the image's drivers report
     return {
         "groupName": plan.name,
         "replicas": plan.replicas,
         "minReplicas": plan.min_replicas,
         "maxReplicas": plan.max_replicas,
-        # KubeRay's documented form: a JSON object inside a quoted string.
-        "rayStartParams": {"resources": json.dumps(json.dumps({pool_resource(plan.name): slots}))},
+        "rayStartParams": params,
         "template": template,
     }
+
+
+def ray_resources_param(resources: Mapping[str, float]) -> str:
+    """`ray start --resources` as KubeRay needs it: JSON in single quotes, without spaces.
+
+    KubeRay pastes the value into a bash command line, and also parses it itself (after trimming quotes) to
+    add GPU and accelerator resources: the form with escaped double quotes passes bash but not that parse,
+    which then fails and drops `--num-gpus`.
+    """
+    return "'" + json.dumps(dict(resources), separators=(",", ":")) + "'"
 
 
 def submitter_template(ctx: PodContext) -> dict:

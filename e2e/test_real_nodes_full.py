@@ -1,0 +1,149 @@
+"""The full real-node tier: the images of `make images` and the chart's operator running from its image, faults.
+
+- tiny PPO from examples/tiny-ppo-job.yaml as written (runtime image, checkpoints on a claim) to Succeeded;
+- a worker pod deleted mid-training: KubeRay replaces it, the run rolls back to its last checkpoint and ends with
+  every step in the metrics exactly once; the recovery time is measured;
+- the operator pod killed mid-run: nothing is duplicated and the status converges;
+- a second job asking for more GPUs than the node has waits Unschedulable without disturbing the first;
+- the head pod deleted mid-run: the RayJob's retry resubmits on a new cluster, which resumes from the claim.
+
+Marker `realnodes_full`: `make test-real-nodes` runs it (CI does, after `make test`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from e2e.harness import chart, images
+from e2e.harness.controlplane import eventually
+from e2e.harness.realcluster import (
+    RELEASE,
+    RELEASE_NAMESPACE,
+    RealNodeCluster,
+    node_images,
+    operator_values,
+)
+from e2e.test_real_nodes import MIN_FINAL_REWARD, TINY_GRPO, TINY_PPO, JobRun, require_real_nodes
+from tests.helpers import condition
+
+pytestmark = pytest.mark.realnodes_full
+
+FULL_IMAGES = (images.PAUSE, images.OPERATOR, images.RUNTIME_CPU)
+
+
+@pytest.fixture(scope="module")
+def full_cluster_real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNodeCluster]:
+    """The real-node cluster with the runtime and operator images imported and the chart installed from them."""
+    require_real_nodes()
+    t0 = time.monotonic()
+    built = images.build(FULL_IMAGES)
+    build_s = time.monotonic() - t0
+    cluster = RealNodeCluster(tmp_path_factory.mktemp("real-full") / "run", node_images(built, FULL_IMAGES),
+                              built[images.PAUSE].ref)
+    cluster.start()
+    try:
+        chart.install_chart(cluster, RELEASE, RELEASE_NAMESPACE,
+                            operator_values(built[images.OPERATOR].ref, built[images.RUNTIME_CPU].ref))
+        sizes = {n: f"{built[n].size / 2**20:.0f} MiB" for n in FULL_IMAGES}
+        print(f"\nimages {sizes} (build/cache {build_s:.0f}s); cluster up {cluster.timings}")
+        yield cluster
+    finally:
+        problems = cluster.stop()
+        assert problems == [], problems
+
+
+def _example(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def _operator_pod(cluster: RealNodeCluster) -> str:
+    pods = cluster.get_json("pods", "-n", RELEASE_NAMESPACE, "-l", "app.kubernetes.io/name=hybridflow")["items"]
+    running = [p["metadata"]["name"] for p in pods
+               if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+    assert running, f"no running operator pod in {RELEASE_NAMESPACE}"
+    return running[0]
+
+
+def test_tiny_ppo_trains_on_the_runtime_image(full_cluster_real: RealNodeCluster) -> None:
+    """The example as written: the runtime image, the operator from its image, checkpoints on the claim."""
+    run = JobRun(full_cluster_real, _example(TINY_PPO), "full-ppo")
+    result = run.to_end()
+    result.assert_succeeded(MIN_FINAL_REWARD)
+    print(f"\nPPO on the runtime image: apply->first step {result.first_step_s:.1f}s, wall {result.wall_s:.1f}s, "
+          f"final reward {result.final_reward:.3f}")
+
+
+def test_faults_during_one_ppo_run(full_cluster_real: RealNodeCluster) -> None:
+    """During one run: an oversize job arrives, the operator pod is killed, then a critic worker pod is deleted."""
+    cluster = full_cluster_real
+    run = JobRun(cluster, _example(TINY_PPO), "faults")
+    big = _example(TINY_PPO)
+    big["metadata"]["name"] = "too-big"
+    big["spec"]["cluster"]["workerGroups"] = [{"name": "actor", "replicas": 2, "gpusPerWorker": 8,
+                                               "cpusPerWorker": "250m", "memory": "2Gi"},
+                                              {"name": "critic", "replicas": 1, "gpusPerWorker": 8,
+                                               "cpusPerWorker": "250m", "memory": "2Gi"}]
+    run.apply()
+    cluster.kubectl("apply", "-n", run.namespace, "-f", "-", input=json.dumps(big))
+
+    run.wait_for_step(10)
+    killed = _operator_pod(cluster)
+    cluster.kubectl("delete", "pod", killed, "-n", RELEASE_NAMESPACE, "--grace-period=0", "--force")
+    eventually(lambda: _operator_pod(cluster) != killed, 180, "a new operator pod running")
+
+    step = run.wait_for_step(30)
+    pods = cluster.get_json("pods", "-n", run.namespace, "-l", "ray.io/group=critic")["items"]
+    victim = pods[0]["metadata"]["name"]
+    deleted_at = time.monotonic()
+    cluster.kubectl("delete", "pod", victim, "-n", run.namespace, "--grace-period=0", "--force")
+    recovered_s = run.seconds_until_step_after(deleted_at)
+    result = run.to_end()
+    result.assert_succeeded(MIN_FINAL_REWARD)
+
+    # Every step in the metrics exactly once, although steps after the last checkpoint ran twice.
+    steps = [r["step"] for r in result.metrics()]
+    assert steps == list(range(1, 81)), steps
+    # KubeRay replaced the worker: two critic pods again, the deleted one gone.
+    pods = cluster.get_json("pods", "-n", run.namespace, "-l", "ray.io/group=critic")["items"]
+    assert victim not in {p["metadata"]["name"] for p in pods}
+    # The operator restart duplicated nothing.
+    for kind in ("rayjobs", "configmaps", "serviceaccounts", "roles", "rolebindings"):
+        owned = cluster.get_json(kind, "-n", run.namespace, "-l", f"hybridflow.io/job={run.name}")["items"]
+        assert len(owned) == 1, (kind, [o["metadata"]["name"] for o in owned])
+    # The oversize job waits with a condition that says why, and never got a Ray pod running.
+    waiting = cluster.get_json("rltrainingjob", "too-big", "-n", run.namespace)
+    unschedulable = [c for c in waiting["status"].get("conditions", []) if c.get("reason") == "Unschedulable"]
+    assert unschedulable, waiting["status"]
+    assert "nvidia.com/gpu" in unschedulable[0]["message"] or "GPU" in unschedulable[0]["message"]
+    big_pods = cluster.get_json("pods", "-n", run.namespace, "-l", "hybridflow.io/job=too-big")["items"]
+    assert all(p["status"].get("phase") == "Pending" for p in big_pods)
+    print(f"\nworker pod deleted at step {step}: next completed step {recovered_s:.1f}s later; "
+          f"operator pod {killed} replaced; too-big: {unschedulable[0]['message'][:120]}")
+
+
+def test_head_pod_deleted_mid_run_resumes_from_the_claim(full_cluster_real: RealNodeCluster) -> None:
+    """The driver dies with the head. The RayJob's retry (runPolicy.backoffLimit) submits again on a new Ray
+    cluster, and resume=auto continues from the last checkpoint on the claim."""
+    job = _example(TINY_GRPO)
+    job["spec"]["runPolicy"] = {"backoffLimit": 1}
+    run = JobRun(full_cluster_real, job, "head-fault")
+    run.apply()
+    step = run.wait_for_step(25)
+    head = full_cluster_real.get_json("pods", "-n", run.namespace, "-l", "ray.io/node-type=head")["items"]
+    deleted_at = time.monotonic()
+    full_cluster_real.kubectl("delete", "pod", head[0]["metadata"]["name"], "-n", run.namespace,
+                              "--grace-period=0", "--force")
+    result = run.to_end()
+    recovered = result.first_step_after(deleted_at)
+    assert condition(result.job, "Succeeded")["status"] == "True", result.describe()
+    steps = [r["step"] for r in result.metrics()]
+    assert steps == list(range(1, 81)), steps
+    print(f"\nhead pod deleted at step {step}: resumed, next step {recovered:.1f}s later, "
+          f"final reward {result.final_reward:.3f}")
