@@ -5,18 +5,21 @@
 #   docker build -f docker/operator.Dockerfile -t docker.io/hybridflow/operator:0.1.0 .
 #
 # The tag is the chart's appVersion (charts/hybridflow/values.yaml: image.repository, image.tag).
-ARG PYTHON_VERSION=3.12
+# The project requires Python >= 3.11; Debian bookworm's is 3.11 (the stand-in base, docker/base/).
+ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS build
-ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md* ./
 COPY runtime ./runtime
 COPY operator ./operator
-# A virtual environment copies cleanly into the final stage, without the build's caches.
-RUN python -m venv /opt/hybridflow \
- && /opt/hybridflow/bin/pip install ".[operator]" \
+# A virtual environment copies cleanly into the final stage, without the build's caches. Wheels persist
+# in a build cache mount (as in runtime.Dockerfile): a rebuild downloads only what is new.
+RUN --mount=type=cache,target=/root/.cache/wheels \
+    python -m venv /opt/hybridflow \
+ && /opt/hybridflow/bin/pip download --dest /root/.cache/wheels ".[operator]" \
+ && /opt/hybridflow/bin/pip install --find-links /root/.cache/wheels ".[operator]" \
  && /opt/hybridflow/bin/python -c "import hybridflow_operator, hybridflow.api, kopf" \
  && ! /opt/hybridflow/bin/python -c "import torch" 2>/dev/null \
  && ! /opt/hybridflow/bin/python -c "import ray" 2>/dev/null

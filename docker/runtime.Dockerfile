@@ -4,9 +4,15 @@
 #
 #   docker build -f docker/runtime.Dockerfile -t docker.io/hybridflow/runtime:0.1.0 .
 #
+# CPU nodes (no vLLM: its wheels need CUDA; rollout then generates with torch), as `make images` builds it:
+#
+#   docker build -f docker/runtime.Dockerfile --build-arg ACCELERATOR_TAG=cpu --build-arg WITH_VLLM=0 \
+#     -t docker.io/hybridflow/runtime:0.1.0-cpu .
+#
 # The operator uses this image when a job leaves spec.cluster.image empty (chart value runtimeImage,
-# default docker.io/hybridflow/runtime:<appVersion>). Keep RAY_VERSION equal to the default
-# spec.cluster.rayVersion: KubeRay starts the cluster with that version and the image's Ray must match.
+# default docker.io/hybridflow/runtime:<appVersion>; set it to the -cpu tag on CPU-only clusters). Keep
+# RAY_VERSION equal to the default spec.cluster.rayVersion: KubeRay starts the cluster with that version
+# and the image's Ray must match.
 ARG RAY_VERSION=2.60.0
 ARG PYTHON_TAG=py311
 ARG ACCELERATOR_TAG=gpu
@@ -15,23 +21,39 @@ FROM rayproject/ray:${RAY_VERSION}-${PYTHON_TAG}-${ACCELERATOR_TAG}
 ARG RAY_VERSION
 # Empty: the newest vLLM; set it to pin (vLLM in turn pins the torch it was built against).
 ARG VLLM_VERSION=
-ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+# 1: torch and vLLM (GPU images). 0: torch alone, for ACCELERATOR_TAG=cpu.
+ARG WITH_VLLM=1
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 LABEL org.opencontainers.image.title="hybridflow-runtime" \
       org.opencontainers.image.description="Ray image with torch, vLLM and the hybridflow runtime" \
       org.opencontainers.image.licenses="Apache-2.0"
 
-# torch and vLLM in one resolver run, so pip picks the torch build vLLM was compiled for.
-RUN pip install torch "vllm${VLLM_VERSION:+==${VLLM_VERSION}}"
+# Wheels persist in a build cache mount: `pip download` fetches only those the wheelhouse lacks and pip
+# installs from it, so a rebuild does not fetch gigabytes again (pip's own HTTP cache keeps nothing when
+# the index's responses carry no caching headers, as behind some proxies). torch and vLLM in one
+# resolver run, so pip picks the torch build vLLM was compiled for.
+RUN --mount=type=cache,target=/home/ray/.cache/wheels,uid=1000,gid=100 \
+    if [ "$WITH_VLLM" = 1 ]; then set -- torch "vllm${VLLM_VERSION:+==${VLLM_VERSION}}"; else set -- torch; fi \
+ && pip download --dest /home/ray/.cache/wheels "$@" \
+ && pip install --no-index --find-links /home/ray/.cache/wheels "$@"
 
 WORKDIR /home/ray/hybridflow
 COPY --chown=ray:users pyproject.toml README.md* ./
 COPY --chown=ray:users runtime ./runtime
 COPY --chown=ray:users operator ./operator
-RUN pip install ".[runtime,vllm]" \
- && python -c "import ray, torch, vllm, hybridflow; \
-assert ray.__version__ == '${RAY_VERSION}', f'pip replaced Ray {ray.__version__}: pin it'"
+# Ray, torch (and vLLM) stay at the versions installed above. The project's build backend comes from
+# the index, its other dependencies from the wheelhouse.
+RUN --mount=type=cache,target=/home/ray/.cache/wheels,uid=1000,gid=100 \
+    extras=runtime; installed=torch; \
+    if [ "$WITH_VLLM" = 1 ]; then extras=runtime,vllm; installed="torch vllm"; fi; \
+    set -- ".[$extras]" "ray[default]==${RAY_VERSION}"; \
+    for p in $installed; do set -- "$@" "$p==$(pip show "$p" | sed -n 's/^Version: //p')"; done; \
+    pip download --dest /home/ray/.cache/wheels "$@" \
+ && pip install --find-links /home/ray/.cache/wheels "$@" \
+ && python -c "import ray, torch, hybridflow; \
+assert ray.__version__ == '${RAY_VERSION}', f'pip replaced Ray {ray.__version__}: pin it'" \
+ && { [ "$WITH_VLLM" != 1 ] || python -c "import vllm"; }
 
 WORKDIR /home/ray
 # KubeRay sets the command of head and worker pods (ray start ...), so no ENTRYPOINT here.
