@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # install to a minute or two.
 VENV_STAMP := $(VENV)/.installed-$(firstword $(shell cksum < pyproject.toml))
 
-.PHONY: all venv run run-grpo test lint unit e2e e2e-kind toolchain node-packages cluster-up cluster-up-kwok cluster-down bench clean
+.PHONY: all venv run run-grpo test test-real-nodes lint unit e2e e2e-kind toolchain node-packages cluster-up cluster-up-kwok cluster-down bench clean
 
 all: test
 
@@ -40,6 +40,11 @@ lint: venv
 # Everything: unit, real Ray, and the control-plane tests (built from Go modules on first use).
 test: lint node-packages
 	$(PYTHON) -m pytest -q -ra $(PYTEST_ARGS)
+
+# The full real-node tier: builds the images (make images), installs the chart's operator from its image, runs
+# the tiny jobs on the runtime image and the faults. Root; CI runs it after `make test`.
+test-real-nodes: venv toolchain node-packages
+	$(PYTHON) -m pytest -q -ra -s -m realnodes_full e2e/test_real_nodes_full.py $(PYTEST_ARGS)
 
 unit: venv
 	$(PYTHON) -m pytest -q -ra tests $(PYTEST_ARGS)

@@ -148,3 +148,23 @@ def test_metrics_log_truncates_after_a_rollback(tmp_path) -> None:
         log.write({"step": s})
     log.truncate_after(3)
     assert [r["step"] for r in log.read()] == [1, 2, 3]
+
+
+def test_creating_the_tiny_model_leaves_the_callers_random_state_alone(tmp_path, monkeypatch) -> None:
+    """A fresh pod creates the built-in model, a laptop finds it cached: both must then sample alike."""
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path))
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    ensure_tiny_model()
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_every_critic_rank_starts_from_the_same_weights(ppo_spec) -> None:
+    """Data-parallel ranks average gradients, never weights: they must start equal, whatever each process
+    drew from its random state before."""
+    spec_json = ppo_spec.model_dump(mode="json")
+    ranks = [WorkerHost(spec_json, {"critic": "critic"}, instance=i, use_gpu=False) for i in range(2)]
+    first, second = (dict(h.workers["critic"].model.state_dict()) for h in ranks)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)

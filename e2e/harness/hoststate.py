@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 SYSCTLS = (
+    "net.ipv4.ip_forward",  # stays 0; recorded in case a CNI plugin in gateway mode turns it on
     "vm.overcommit_memory",
     "kernel.panic",
     "kernel.panic_on_oops",

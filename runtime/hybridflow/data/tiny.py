@@ -90,8 +90,11 @@ def ensure_tiny_model(seed: int = 0) -> Path:
     config = dict(TINY_CONFIG)
     cfg = AutoConfig.for_model(str(config.pop("model_type")), **config)
     cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = 0, 1, 2
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
+    # The caller's random state stays as it was: a process that creates the model (a fresh pod) must go on to
+    # sample exactly like one that found it cached.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(tmp)
     _tokenizer().save_pretrained(tmp)
     try:
