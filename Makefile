@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # install to a minute or two.
 VENV_STAMP := $(VENV)/.installed-$(firstword $(shell cksum < pyproject.toml))
 
-.PHONY: all venv run run-grpo test lint unit e2e e2e-kind toolchain cluster-up cluster-down bench clean
+.PHONY: all venv run run-grpo test lint unit e2e e2e-kind toolchain node-packages images cluster-up cluster-down bench clean
 
 all: test
 
@@ -47,6 +47,16 @@ unit: venv
 # The control-plane binaries (Go needed; a binary already in the cache is not rebuilt: seconds when warm).
 toolchain:
 	bash e2e/toolchain/build.sh
+
+# containerd, runc, buildah, debootstrap and the rest of a real node, from Debian (root; seconds when present).
+node-packages:
+	bash e2e/toolchain/install-node-packages.sh
+
+# The container images, built with buildah (no Docker engine, no registry): docker/README.md. IMAGES picks
+# some (e.g. IMAGES="pause runtime-cpu"); an image whose inputs have not changed is not rebuilt.
+IMAGES ?=
+images: node-packages
+	bash docker/build-images.sh $(IMAGES)
 
 e2e: venv toolchain
 	$(PYTHON) -m pytest -q -ra e2e $(PYTEST_ARGS)
