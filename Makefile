@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # install to a minute or two.
 VENV_STAMP := $(VENV)/.installed-$(firstword $(shell cksum < pyproject.toml))
 
-.PHONY: all venv run run-grpo test test-real-nodes lint unit e2e e2e-kind toolchain node-packages cluster-up cluster-up-kwok cluster-down bench clean
+.PHONY: all venv run run-grpo test test-real-nodes lint unit e2e e2e-kind toolchain node-packages images cluster-up cluster-up-kwok cluster-down bench clean
 
 all: test
 
@@ -53,16 +53,21 @@ unit: venv
 toolchain:
 	bash e2e/toolchain/build.sh
 
+# containerd, runc, buildah, debootstrap and the rest of a real node, from Debian (root; seconds when present).
+node-packages:
+	bash e2e/toolchain/install-node-packages.sh
+
+# The container images, built with buildah (no Docker engine, no registry): docker/README.md. IMAGES picks
+# some (e.g. IMAGES="pause runtime-cpu"); an image whose inputs have not changed is not rebuilt.
+IMAGES ?=
+images: node-packages
+	bash docker/build-images.sh $(IMAGES)
+
 e2e: venv toolchain
 	$(PYTHON) -m pytest -q -ra e2e $(PYTEST_ARGS)
 
 e2e-kind: venv
 	bash e2e/kind/run.sh
-
-# Installs containerd, runc, the CNI plugins and the image builders from Debian when missing (root; seconds
-# when present).
-node-packages:
-	bash e2e/toolchain/install-node-packages.sh
 
 # The real-node tier (root): the control plane, one real kubelet node that doubles as an A100 node, the images,
 # the chart's operator from its image. Then `kubectl apply -f examples/tiny-ppo-job.yaml` trains in real pods.

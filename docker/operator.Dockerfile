@@ -15,11 +15,12 @@ COPY pyproject.toml README.md* ./
 COPY runtime ./runtime
 COPY operator ./operator
 # A virtual environment copies cleanly into the final stage, without the build's caches. Wheels persist
-# in a build cache mount (as in runtime.Dockerfile): a rebuild downloads only what is new.
+# in a build cache mount (as in runtime.Dockerfile): `pip wheel` downloads only those the wheelhouse
+# lacks and builds the project's, then pip installs from the wheelhouse alone.
 RUN --mount=type=cache,target=/root/.cache/wheels \
     python -m venv /opt/hybridflow \
- && /opt/hybridflow/bin/pip download --dest /root/.cache/wheels ".[operator]" \
- && /opt/hybridflow/bin/pip install --find-links /root/.cache/wheels ".[operator]" \
+ && /opt/hybridflow/bin/pip wheel --wheel-dir /root/.cache/wheels ".[operator]" \
+ && /opt/hybridflow/bin/pip install --no-index --find-links /root/.cache/wheels "hybridflow[operator]" \
  && /opt/hybridflow/bin/python -c "import hybridflow_operator, hybridflow.api, kopf" \
  && ! /opt/hybridflow/bin/python -c "import torch" 2>/dev/null \
  && ! /opt/hybridflow/bin/python -c "import ray" 2>/dev/null
@@ -35,7 +36,10 @@ ENV PATH=/opt/hybridflow/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp
-# 65532 is the conventional "nonroot" uid; the chart's securityContext runs as the same uid.
+# 65532 is the conventional "nonroot" uid; the chart's securityContext runs as the same uid. It needs a
+# passwd entry: kopf names its peering identity after the user (getpass.getuser()), and fails without one.
+RUN groupadd --system --gid 65532 nonroot \
+ && useradd --system --uid 65532 --gid 65532 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin nonroot
 USER 65532:65532
 # kopf's liveness endpoint (--liveness=http://0.0.0.0:8080/healthz in the chart).
 EXPOSE 8080

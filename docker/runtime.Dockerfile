@@ -42,15 +42,15 @@ WORKDIR /home/ray/hybridflow
 COPY --chown=ray:users pyproject.toml README.md* ./
 COPY --chown=ray:users runtime ./runtime
 COPY --chown=ray:users operator ./operator
-# Ray, torch (and vLLM) stay at the versions installed above. The project's build backend comes from
-# the index, its other dependencies from the wheelhouse.
+# Ray, torch (and vLLM) stay at the versions installed above. `pip wheel` builds the project's wheel and
+# adds the dependencies the wheelhouse lacks; pip then installs from the wheelhouse alone.
 RUN --mount=type=cache,target=/home/ray/.cache/wheels,uid=1000,gid=100 \
     extras=runtime; installed=torch; \
     if [ "$WITH_VLLM" = 1 ]; then extras=runtime,vllm; installed="torch vllm"; fi; \
-    set -- ".[$extras]" "ray[default]==${RAY_VERSION}"; \
+    set -- "ray[default]==${RAY_VERSION}"; \
     for p in $installed; do set -- "$@" "$p==$(pip show "$p" | sed -n 's/^Version: //p')"; done; \
-    pip download --dest /home/ray/.cache/wheels "$@" \
- && pip install --find-links /home/ray/.cache/wheels "$@" \
+    pip wheel --wheel-dir /home/ray/.cache/wheels ".[$extras]" "$@" \
+ && pip install --no-index --find-links /home/ray/.cache/wheels "hybridflow[$extras]" "$@" \
  && python -c "import ray, torch, hybridflow; \
 assert ray.__version__ == '${RAY_VERSION}', f'pip replaced Ray {ray.__version__}: pin it'" \
  && { [ "$WITH_VLLM" != 1 ] || python -c "import vllm"; }
