@@ -39,18 +39,27 @@ RUN --mount=type=cache,target=/home/ray/.cache/wheels,uid=1000,gid=100 \
  && pip install --no-index --find-links /home/ray/.cache/wheels "$@"
 
 WORKDIR /home/ray/hybridflow
-COPY --chown=ray:users pyproject.toml README.md* ./
-COPY --chown=ray:users runtime ./runtime
-COPY --chown=ray:users operator ./operator
-# Ray, torch (and vLLM) stay at the versions installed above. `pip wheel` builds the project's wheel and
-# adds the dependencies the wheelhouse lacks; pip then installs from the wheelhouse alone.
+# The project's dependencies first, read from pyproject.toml alone: a change to the code leaves this layer
+# cached. Ray, torch (and vLLM) stay at the versions installed above. `pip wheel` adds to the wheelhouse what
+# it lacks; pip then installs from the wheelhouse alone.
+COPY --chown=ray:users pyproject.toml ./
 RUN --mount=type=cache,target=/home/ray/.cache/wheels,uid=1000,gid=100 \
     extras=runtime; installed=torch; \
     if [ "$WITH_VLLM" = 1 ]; then extras=runtime,vllm; installed="torch vllm"; fi; \
+    python -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print('\n'.join(p['dependencies'] + [d for e in sys.argv[1].split(',') for d in p['optional-dependencies'][e]]))" \
+      "$extras" > /tmp/requirements.txt; \
     set -- "ray[default]==${RAY_VERSION}"; \
     for p in $installed; do set -- "$@" "$p==$(pip show "$p" | sed -n 's/^Version: //p')"; done; \
-    pip wheel --wheel-dir /home/ray/.cache/wheels ".[$extras]" "$@" \
- && pip install --no-index --find-links /home/ray/.cache/wheels "hybridflow[$extras]" "$@" \
+    pip wheel --wheel-dir /home/ray/.cache/wheels -r /tmp/requirements.txt "$@" "setuptools>=69" \
+ && pip install --no-index --find-links /home/ray/.cache/wheels -r /tmp/requirements.txt "$@"
+
+COPY --chown=ray:users README.md* ./
+COPY --chown=ray:users runtime ./runtime
+COPY --chown=ray:users operator ./operator
+# The project alone: its build backend (setuptools) comes from the wheelhouse too.
+RUN --mount=type=cache,target=/home/ray/.cache/wheels,uid=1000,gid=100 \
+    pip install --no-deps --no-index --find-links /home/ray/.cache/wheels . \
  && python -c "import ray, torch, hybridflow; \
 assert ray.__version__ == '${RAY_VERSION}', f'pip replaced Ray {ray.__version__}: pin it'" \
  && { [ "$WITH_VLLM" != 1 ] || python -c "import vllm"; }

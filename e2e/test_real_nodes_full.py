@@ -117,13 +117,14 @@ def test_faults_during_one_ppo_run(full_cluster_real: RealNodeCluster) -> None:
     for kind in ("rayjobs", "configmaps", "serviceaccounts", "roles", "rolebindings"):
         owned = cluster.get_json(kind, "-n", run.namespace, "-l", f"hybridflow.io/job={run.name}")["items"]
         assert len(owned) == 1, (kind, [o["metadata"]["name"] for o in owned])
-    # The oversize job waits with a condition that says why, and never got a Ray pod running.
+    # The oversize job waits with a condition that says why; none of its workers ever ran.
     waiting = cluster.get_json("rltrainingjob", "too-big", "-n", run.namespace)
     unschedulable = [c for c in waiting["status"].get("conditions", []) if c.get("reason") == "Unschedulable"]
     assert unschedulable, waiting["status"]
     assert "nvidia.com/gpu" in unschedulable[0]["message"] or "GPU" in unschedulable[0]["message"]
-    big_pods = cluster.get_json("pods", "-n", run.namespace, "-l", "hybridflow.io/job=too-big")["items"]
-    assert all(p["status"].get("phase") == "Pending" for p in big_pods)
+    workers = cluster.get_json("pods", "-n", run.namespace, "-l",
+                               "hybridflow.io/job=too-big,ray.io/node-type=worker")["items"]
+    assert workers and all(p["status"].get("phase") == "Pending" for p in workers)
     print(f"\nworker pod deleted at step {step}: next completed step {recovered_s:.1f}s later; "
           f"operator pod {killed} replaced; too-big: {unschedulable[0]['message'][:120]}")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from . import binaries, certs
+from . import binaries, certs, images
 from .controlplane import (
     A100,
     GPU_TAINT,
@@ -44,7 +44,7 @@ CLUSTER_DOMAIN = "cluster.local"
 GPUS_PER_NODE = 8
 NODE_NAME = "hf-a100-0"
 GUARD_COMMENT = "hybridflow: no pod packet leaves the machine"
-K8S_NAMESPACE = "k8s.io"  # containerd's namespace for CRI images and containers
+K8S_NAMESPACE = images.NAMESPACE
 NODE_READY_S = 120.0
 LOCK_FILE = Path("/run/hybridflow-real-nodes.json")
 
@@ -281,11 +281,11 @@ class RealNode:
     so call `network_up()` before the control plane starts.
     """
 
-    def __init__(self, cp: ControlPlane, net: NodeNetwork, images: Mapping[str, Path], pause_image: str,
+    def __init__(self, cp: ControlPlane, net: NodeNetwork, archives: Mapping[str, Path], pause_image: str,
                  detach: bool = False, node_name: str = NODE_NAME) -> None:
         self.cp = cp
         self.net = net
-        self.images = dict(images)  # image name -> archive to import
+        self.archives = dict(archives)  # image reference -> archive to import
         self.pause_image = pause_image
         self.detach = detach
         self.node_name = node_name
@@ -365,10 +365,8 @@ class RealNode:
         return _run("ctr", "--address", str(self.socket), "-n", K8S_NAMESPACE, *args, check=check, timeout=timeout)
 
     def import_images(self) -> None:
-        present = set(self.ctr("images", "ls", "-q").stdout.split())
-        for name, archive in self.images.items():
-            if name not in present:
-                self.ctr("images", "import", "--all-platforms", str(archive), timeout=1800)
+        seconds = images.import_images(str(self.socket), self.archives.values())
+        self.timings["import_s"] = round(sum(seconds.values()), 1)
 
     def _start_coredns(self, coredns: Path) -> None:
         kubeconfig = self._kubeconfig("system:coredns")
