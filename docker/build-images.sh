@@ -13,7 +13,8 @@
 # bases' keys. Its docker-archive, $HYBRIDFLOW_CACHE/images/<name>-<key>.tar, is the build's product:
 # when it exists the image is not rebuilt. pip downloads persist in buildah cache mounts, so a rebuild
 # after a code change does not fetch torch again. All state (buildah storage, cache mounts, rootfs)
-# lives under $HYBRIDFLOW_CACHE; nothing is written to /var/lib/containers.
+# lives under $HYBRIDFLOW_CACHE; nothing is written to /var/lib/containers. One build runs at a time
+# (a lock): a second caller waits for the first.
 #
 # stdout: one tab-separated line per image: name, reference, archive, archive bytes, seconds, and
 # `built` or `cached`. Progress and buildah's output go to stderr.
@@ -28,6 +29,7 @@ BUILDAH_DIR=$CACHE/buildah
 # Bump to rebuild every image after a change to how this script builds them.
 SCHEMA=1
 KEY_LABEL=io.hybridflow.image-key
+KEEP_ARCHIVES=${HYBRIDFLOW_KEEP_ARCHIVES:-2}
 
 SUITE=bookworm
 # Installed by debootstrap on top of minbase (python:slim has them too); the rootfs is keyed by these.
@@ -252,6 +254,12 @@ load_base() {
   bah pull --quiet "${POLICY[@]}" "docker-archive:$(archive_of "$name")" >/dev/null
 }
 
+# Worktrees share the cache: an image's newest archives stay (one per checkout that builds it, say),
+# older ones go. Runtime archives weigh gigabytes.
+prune_archives() {
+  ls -t "$IMAGES_DIR/$1"-*.tar | tail -n +$((KEEP_ARCHIVES + 1)) | xargs -r rm -f
+}
+
 report() {
   local name=$1 seconds=$2 state=$3 archive bytes
   archive=$(archive_of "$name")
@@ -280,9 +288,10 @@ build() {
   log "building $ref (key ${KEYS[$name]}, storage driver $DRIVER)"
   bah bud --layers --force-rm --pull-never --network host --format docker "${POLICY[@]}" \
     --label "$KEY_LABEL=${KEYS[$name]}" -t "$ref" -f "$dockerfile" "${args[@]}" "$(context_of "$name")" >&2
-  rm -f "$IMAGES_DIR/$name"-*.tar "$archive.partial"
+  rm -f "$archive.partial"
   bah push --quiet "${POLICY[@]}" "$ref" "docker-archive:$archive.partial:$ref" >&2
   mv "$archive.partial" "$archive"
+  prune_archives "$name"
   report "$name" $(($(date +%s) - start)) built
 }
 
