@@ -17,7 +17,9 @@ ENV HOME=/home/ray \
     PATH=/home/ray/venv/bin:$PATH \
     LANG=C.UTF-8
 WORKDIR /home/ray
-RUN python -m venv /home/ray/venv
+# ~/.cache made by its user: a cache mount below it would otherwise create it for root, and the runtime
+# (Hugging Face, hybridflow's built-in model) could not write there.
+RUN python -m venv /home/ray/venv && mkdir -p /home/ray/.cache
 # Wheels persist in a build cache mount shared with runtime.Dockerfile (the comment there says why).
 RUN --mount=type=cache,target=/home/ray/.cache/wheels,uid=1000,gid=100 \
     pip download --disable-pip-version-check --dest /home/ray/.cache/wheels "ray[default]==${RAY_VERSION}" \
