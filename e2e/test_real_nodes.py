@@ -206,6 +206,8 @@ class JobRun:
         self.namespace = namespace
         self.name = self.job["metadata"]["name"]
         self.job["metadata"]["namespace"] = namespace
+        # The Ray cluster goes as soon as the job ends: the next run on this small node needs its room.
+        self.job["spec"].setdefault("runPolicy", {})["ttlSecondsAfterFinished"] = 0
         self.progress: list[dict[str, Any]] = []
         self.steps: list[tuple[float, int]] = []
         self.t0 = 0.0

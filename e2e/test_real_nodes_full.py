@@ -99,20 +99,31 @@ def test_faults_during_one_ppo_run(full_cluster_real: RealNodeCluster) -> None:
     eventually(lambda: _operator_pod(cluster) != killed, 180, "a new operator pod running")
 
     step = run.wait_for_step(30)
-    pods = cluster.get_json("pods", "-n", run.namespace, "-l", "ray.io/group=critic")["items"]
-    victim = pods[0]["metadata"]["name"]
+    critic_selector = f"ray.io/group=critic,hybridflow.io/job={run.name}"  # not too-big's critic group
+    pods = cluster.get_json("pods", "-n", run.namespace, "-l", critic_selector)["items"]
+    victim = next(p["metadata"]["name"] for p in pods if p["status"].get("phase") == "Running")
     deleted_at = time.monotonic()
+    deleted_stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))
     cluster.kubectl("delete", "pod", victim, "-n", run.namespace, "--grace-period=0", "--force")
     recovered_s = run.seconds_until_step_after(deleted_at)
+    print(f"\nworker pod {victim} deleted after step {step}: next completed step {recovered_s:.1f}s later")
+    # KubeRay replaced the worker: a critic pod made after the deletion runs, the deleted one is gone.
+    def critic_pods() -> list[dict[str, Any]]:
+        return cluster.get_json("pods", "-n", run.namespace, "-l", critic_selector)["items"]
+
+    def replacement() -> str | None:
+        pods = critic_pods()
+        fresh = [p["metadata"]["name"] for p in pods if p["metadata"]["name"] != victim
+                 and p["metadata"]["creationTimestamp"] >= deleted_stamp and p["status"].get("phase") == "Running"]
+        return fresh[0] if fresh and victim not in {p["metadata"]["name"] for p in pods} else None
+
+    replaced_by = eventually(replacement, 120, f"a running critic pod in place of {victim}")
     result = run.to_end()
     result.assert_succeeded(MIN_FINAL_REWARD)
 
     # Every step in the metrics exactly once, although steps after the last checkpoint ran twice.
     steps = [r["step"] for r in result.metrics()]
     assert steps == list(range(1, 81)), steps
-    # KubeRay replaced the worker: two critic pods again, the deleted one gone.
-    pods = cluster.get_json("pods", "-n", run.namespace, "-l", "ray.io/group=critic")["items"]
-    assert victim not in {p["metadata"]["name"] for p in pods}
     # The operator restart duplicated nothing.
     for kind in ("rayjobs", "configmaps", "serviceaccounts", "roles", "rolebindings"):
         owned = cluster.get_json(kind, "-n", run.namespace, "-l", f"hybridflow.io/job={run.name}")["items"]
@@ -125,8 +136,8 @@ def test_faults_during_one_ppo_run(full_cluster_real: RealNodeCluster) -> None:
     workers = cluster.get_json("pods", "-n", run.namespace, "-l",
                                "hybridflow.io/job=too-big,ray.io/node-type=worker")["items"]
     assert workers and all(p["status"].get("phase") == "Pending" for p in workers)
-    print(f"\nworker pod deleted at step {step}: next completed step {recovered_s:.1f}s later; "
-          f"operator pod {killed} replaced; too-big: {unschedulable[0]['message'][:120]}")
+    print(f"\nreplaced by {replaced_by}; operator pod {killed} replaced; "
+          f"too-big: {unschedulable[0]['message'][:120]}")
 
 
 def test_head_pod_deleted_mid_run_resumes_from_the_claim(full_cluster_real: RealNodeCluster) -> None:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,8 +140,21 @@ def _nf_tables(tool: str) -> bool:
     return "nf_tables" in version
 
 
+def kill_cgroup_processes(top: Path) -> None:
+    """SIGKILL every process left in a cgroup tree (containers whose shim is gone keep running otherwise)."""
+    for root, _, files in os.walk(top):
+        if "cgroup.procs" not in files:
+            continue
+        with contextlib.suppress(OSError):
+            for pid in Path(root, "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), 9)
+
+
 def remove_cgroup_tree(top: Path) -> list[str]:
     """rmdir a cgroup and its children, deepest first (a cgroup directory cannot be removed recursively)."""
+    kill_cgroup_processes(top)
+    time.sleep(0.5)  # the kernel reaps them before their cgroups can go
     problems = []
     for root, dirs, _ in sorted(os.walk(top), key=lambda entry: -entry[0].count("/")):
         del dirs

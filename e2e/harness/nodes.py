@@ -245,15 +245,30 @@ def preflight() -> None:
     absent = missing_host_tools()
     if absent:
         raise NodeSetupError(f"missing on this machine: {', '.join(absent)}; run `sudo {INSTALL_SCRIPT}`")
-    if LOCK_FILE.exists():
-        owner = json.loads(LOCK_FILE.read_text())
-        if _alive(owner.get("containerd_pid")):
-            raise NodeSetupError(
-                f"a real-node cluster already runs on this machine (work dir {owner.get('work_dir')}); "
-                "stop it first (`make cluster-down`)")
+    owner = lock_owner()
+    if owner is not None and alive(owner.get("containerd_pid")):
+        raise NodeSetupError(
+            f"a real-node cluster already runs on this machine (work dir {owner.get('work_dir')}); "
+            "stop it first (`make cluster-down`)")
 
 
-def _alive(pid: int | None) -> bool:
+def containerd_socket(work_dir: Path) -> Path:
+    return work_dir / "node" / "containerd" / "containerd.sock"
+
+
+def record_owner(work_dir: Path, net: NodeNetwork, socket: Path, containerd_pid: int | None = None) -> None:
+    """Written before the host is touched (so that a start killed halfway is cleaned up by the next one) and
+    again once containerd runs (so that a running cluster is not)."""
+    LOCK_FILE.write_text(json.dumps({"work_dir": str(work_dir), "socket": str(socket), "containerd_pid": containerd_pid,
+                                     "network": {"bridge": net.bridge, "subnet": net.subnet}}))
+
+
+def lock_owner() -> dict[str, Any] | None:
+    """What the running (or dead) real-node cluster of this machine recorded about itself."""
+    return json.loads(LOCK_FILE.read_text()) if LOCK_FILE.exists() else None
+
+
+def alive(pid: int | None) -> bool:
     if not pid:
         return False
     try:
@@ -290,9 +305,10 @@ class RealNode:
         self.detach = detach
         self.node_name = node_name
         self.dir = cp.work_dir / "node"
-        self.socket = self.dir / "containerd" / "containerd.sock"
+        self.socket = containerd_socket(cp.work_dir)
         self.processes: dict[str, Process] = {}
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, float] = {}  # seconds from start() to each stage
+        self.import_s = 0.0
 
     # -- host network ---------------------------------------------------------------------------
 
@@ -344,8 +360,7 @@ class RealNode:
         self._start_kube_proxy(bins["kube-proxy"])
         self._wait_ready()
         self.timings["node_ready"] = time.monotonic() - t0
-        LOCK_FILE.write_text(json.dumps({"work_dir": str(self.cp.work_dir),
-                                         "containerd_pid": self.processes["containerd"].pid}))
+        record_owner(self.cp.work_dir, self.net, self.socket, self.processes["containerd"].pid)
         return self
 
     def _start_containerd(self) -> None:
@@ -366,7 +381,7 @@ class RealNode:
 
     def import_images(self) -> None:
         seconds = images.import_images(str(self.socket), self.archives.values())
-        self.timings["import_s"] = round(sum(seconds.values()), 1)
+        self.import_s = round(sum(seconds.values()), 1)
 
     def _start_coredns(self, coredns: Path) -> None:
         kubeconfig = self._kubeconfig("system:coredns")
@@ -490,7 +505,7 @@ def kill_shims(socket: str) -> None:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if argv and argv[0].endswith(b"containerd-shim-runc-v2") and socket.encode() in argv:
+        if socket and argv[0].endswith(b"containerd-shim-runc-v2") and socket.encode() in argv:
             subprocess.run(["kill", "-9", entry.name], capture_output=True, check=False)
 
 

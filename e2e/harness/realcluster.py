@@ -17,7 +17,17 @@ from typing import Any
 from . import chart, images
 from .controlplane import ControlPlane, KubectlClient, eventually
 from .hoststate import HostSnapshot, remove_tree
-from .nodes import NODE_NAME, NodeNetwork, RealNode, preflight, stop_node
+from .nodes import (
+    NODE_NAME,
+    NodeNetwork,
+    RealNode,
+    alive,
+    containerd_socket,
+    lock_owner,
+    preflight,
+    record_owner,
+    stop_node,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 STORAGE_CLASS = "local-hostpath"
@@ -54,11 +64,13 @@ class RealNodeCluster(KubectlClient):
 
     def start(self) -> RealNodeCluster:
         t0 = time.monotonic()
+        clean_after_dead_cluster()
         preflight()
         remove_tree(self.work_dir)
         self.work_dir.mkdir(parents=True)
         self.snapshot = HostSnapshot.take()
         (self.work_dir / "host.json").write_text(json.dumps(self.snapshot.to_json()))
+        record_owner(self.work_dir, self.net, containerd_socket(self.work_dir))
         try:
             RealNode.network_up(self.net)
             self.cp.start()
@@ -124,6 +136,19 @@ class RealNodeCluster(KubectlClient):
         eventually(lambda: self.get_json("pvc", name, "-n", namespace)["status"].get("phase") == "Bound", 60,
                    f"claim {namespace}/{name} bound")
         return path
+
+
+def clean_after_dead_cluster() -> list[str]:
+    """A real-node cluster whose harness died (a killed test run) leaves containers, mounts, the bridge and
+    host settings behind: stop and undo them from what it recorded, before anything else starts."""
+    owner = lock_owner()
+    if owner is None or alive(owner.get("containerd_pid")):
+        return []
+    work_dir = Path(owner["work_dir"])
+    stop_node({"socket": owner["socket"], "dir": str(work_dir / "node"), "processes": []})
+    snapshot_file = work_dir / "host.json"
+    snapshot = HostSnapshot.from_json(json.loads(snapshot_file.read_text())) if snapshot_file.is_file() else None
+    return _restore_host(NodeNetwork(**owner["network"]), snapshot, work_dir)
 
 
 def storage_class() -> dict[str, Any]:
