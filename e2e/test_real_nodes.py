@@ -210,6 +210,7 @@ class JobRun:
         self.job["spec"].setdefault("runPolicy", {})["ttlSecondsAfterFinished"] = 0
         self.progress: list[dict[str, Any]] = []
         self.steps: list[tuple[float, int]] = []
+        self.rollbacks: list[float] = []  # when the metrics file was cut back to a checkpoint
         self.t0 = 0.0
         self.volume = Path()
         self.metrics_file = Path()
@@ -235,6 +236,7 @@ class JobRun:
             now = time.monotonic()
             if len(lines) < self._lines:  # rolled back to a checkpoint: the file was cut
                 self._lines = len(lines)
+                self.rollbacks.append(now)
             for line in lines[self._lines:]:
                 self.steps.append((now, int(json.loads(line)["step"])))
             self._lines = len(lines)
@@ -256,9 +258,15 @@ class JobRun:
         self._until(lambda _: bool(self.steps) and self.steps[-1][1] >= step, f"step {step}")
         return self.steps[-1][1]
 
-    def seconds_until_step_after(self, t: float) -> float:
-        self._until(lambda _: any(at > t for at, _ in self.steps), "a step after the fault")
-        return next(at for at, _ in self.steps if at > t) - t
+    def seconds_until_step_after_rollback(self, t: float) -> float:
+        """From `t` (a fault) to the first step completed after the run rolled back to its checkpoint."""
+        def resumed() -> bool:
+            back = next((r for r in self.rollbacks if r > t), None)
+            return back is not None and any(at > back for at, _ in self.steps)
+
+        self._until(lambda _: resumed(), "a rollback to the last checkpoint and a step after it")
+        back = next(r for r in self.rollbacks if r > t)
+        return next(at for at, _ in self.steps if at > back) - t
 
     def to_end(self) -> RunResult:
         if not self.t0:

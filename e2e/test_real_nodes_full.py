@@ -92,6 +92,13 @@ def test_faults_during_one_ppo_run(full_cluster_real: RealNodeCluster) -> None:
                                                "cpusPerWorker": "250m", "memory": "2Gi"}]
     run.apply()
     cluster.kubectl("apply", "-n", run.namespace, "-f", "-", input=json.dumps(big))
+    try:
+        _faults(cluster, run)
+    finally:  # its pods would take the next job's GPUs once this one's are free
+        cluster.kubectl("delete", "rltrainingjob", "too-big", "-n", run.namespace, "--wait=true", check=False)
+
+
+def _faults(cluster: RealNodeCluster, run: JobRun) -> None:
 
     run.wait_for_step(10)
     killed = _operator_pod(cluster)
@@ -105,8 +112,8 @@ def test_faults_during_one_ppo_run(full_cluster_real: RealNodeCluster) -> None:
     deleted_at = time.monotonic()
     deleted_stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))
     cluster.kubectl("delete", "pod", victim, "-n", run.namespace, "--grace-period=0", "--force")
-    recovered_s = run.seconds_until_step_after(deleted_at)
-    print(f"\nworker pod {victim} deleted after step {step}: next completed step {recovered_s:.1f}s later")
+    recovered_s = run.seconds_until_step_after_rollback(deleted_at)
+    print(f"\nworker pod {victim} deleted after step {step}: rolled back, next completed step {recovered_s:.1f}s later")
     # KubeRay replaced the worker: a critic pod made after the deletion runs, the deleted one is gone.
     def critic_pods() -> list[dict[str, Any]]:
         return cluster.get_json("pods", "-n", run.namespace, "-l", critic_selector)["items"]
@@ -118,6 +125,14 @@ def test_faults_during_one_ppo_run(full_cluster_real: RealNodeCluster) -> None:
         return fresh[0] if fresh and victim not in {p["metadata"]["name"] for p in pods} else None
 
     replaced_by = eventually(replacement, 120, f"a running critic pod in place of {victim}")
+    # While the first job runs, the oversize one waits with a condition that says why; its workers never ran.
+    waiting = cluster.get_json("rltrainingjob", "too-big", "-n", run.namespace)
+    unschedulable = [c for c in waiting["status"].get("conditions", []) if c.get("reason") == "Unschedulable"]
+    assert unschedulable, waiting["status"]
+    assert "nvidia.com/gpu" in unschedulable[0]["message"] or "GPU" in unschedulable[0]["message"]
+    workers = cluster.get_json("pods", "-n", run.namespace, "-l",
+                               "hybridflow.io/job=too-big,ray.io/node-type=worker")["items"]
+    assert workers and all(p["status"].get("phase") == "Pending" for p in workers)
     result = run.to_end()
     result.assert_succeeded(MIN_FINAL_REWARD)
 
@@ -128,14 +143,6 @@ def test_faults_during_one_ppo_run(full_cluster_real: RealNodeCluster) -> None:
     for kind in ("rayjobs", "configmaps", "serviceaccounts", "roles", "rolebindings"):
         owned = cluster.get_json(kind, "-n", run.namespace, "-l", f"hybridflow.io/job={run.name}")["items"]
         assert len(owned) == 1, (kind, [o["metadata"]["name"] for o in owned])
-    # The oversize job waits with a condition that says why; none of its workers ever ran.
-    waiting = cluster.get_json("rltrainingjob", "too-big", "-n", run.namespace)
-    unschedulable = [c for c in waiting["status"].get("conditions", []) if c.get("reason") == "Unschedulable"]
-    assert unschedulable, waiting["status"]
-    assert "nvidia.com/gpu" in unschedulable[0]["message"] or "GPU" in unschedulable[0]["message"]
-    workers = cluster.get_json("pods", "-n", run.namespace, "-l",
-                               "hybridflow.io/job=too-big,ray.io/node-type=worker")["items"]
-    assert workers and all(p["status"].get("phase") == "Pending" for p in workers)
     print(f"\nreplaced by {replaced_by}; operator pod {killed} replaced; "
           f"too-big: {unschedulable[0]['message'][:120]}")
 
