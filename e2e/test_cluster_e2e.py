@@ -324,15 +324,18 @@ class E2E:
         return [line for line in self.operator.log()[self.log_mark :].splitlines() if FORBIDDEN.search(line)]
 
 
-def helm(kube: KubectlClient, *args: str) -> str:
+def _require_helm() -> None:
     if chart.helm_binary() is None:
         unavailable("helm not found: run `bash e2e/toolchain/build.sh helm` (needs Go) or put helm on PATH")
+
+
+def helm(kube: KubectlClient, *args: str) -> str:
+    _require_helm()
     return chart.helm(kube, *args)
 
 
 def install_chart(cp: ControlPlane) -> None:
-    if chart.helm_binary() is None:
-        unavailable("helm not found: run `bash e2e/toolchain/build.sh helm` (needs Go) or put helm on PATH")
+    _require_helm()
     chart.install_chart(cp, RELEASE, RELEASE_NAMESPACE, timeout=WAIT_S)
 
 

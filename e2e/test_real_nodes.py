@@ -2,7 +2,7 @@
 
 One real node (kubelet, containerd, runc, a bridge CNI, kube-proxy, CoreDNS) doubles as a fake A100 node.
 The Ray pods of this fast tier run a minimal image with this machine's Python and the project mounted read-only
-(mk/real-nodes.md gives the measurement that puts the full runtime image in the full tier only).
+(importing the 6.4 GiB runtime image alone takes 2-3 minutes: e2e/README.md; the full tier uses it).
 Marker `realnodes`; needs root and Debian's packages (e2e/toolchain/install-node-packages.sh).
 """
 
@@ -11,11 +11,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -23,37 +20,14 @@ import yaml
 from e2e.harness import images
 from e2e.harness.controlplane import eventually
 from e2e.harness.hoststate import HostSnapshot, read_sysctl
-from e2e.harness.nodes import NODE_NAME, NodeNetwork, guard_rule, missing_host_tools
+from e2e.harness.nodes import NODE_NAME, NodeNetwork, guard_rule
 from e2e.harness.operator import OperatorProcess
 from e2e.harness.realcluster import RealNodeCluster, with_host_runtime
 from e2e.harness.realcluster import node_images as node_images_of
-from tests.helpers import condition, in_ci
+from e2e.realnode_runs import MIN_FINAL_REWARD, TINY_GRPO, JobRun, require_real_nodes
+from tests.helpers import condition
 
 pytestmark = pytest.mark.realnodes
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY_PPO = ROOT / "examples" / "tiny-ppo-job.yaml"
-TINY_GRPO = ROOT / "examples" / "tiny-grpo-job.yaml"
-RUN_S = 900.0  # a tiny run on 2 shared cores: pods start, Ray starts, 80 steps
-MIN_FINAL_REWARD = 0.9
-
-
-def _unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "real nodes need root"
-    missing = missing_host_tools()
-    if missing:
-        return f"missing {', '.join(missing)}: run e2e/toolchain/install-node-packages.sh as root"
-    return None
-
-
-def require_real_nodes() -> None:
-    reason = _unavailable()
-    if reason is None:
-        return
-    if in_ci():
-        pytest.fail(f"the real-node tier cannot run here: {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -158,123 +132,6 @@ def test_the_guard_drops_pod_packets_bound_off_the_machine(
 
 
 # -- training ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunResult:
-    """How a job ended, and what was seen on the way."""
-
-    job: dict[str, Any]
-    progress: list[dict[str, Any]]  # status.progress, each time its step changed
-    steps: list[tuple[float, int]]  # (monotonic time, step) of each line the metrics file gained
-    first_step_s: float
-    wall_s: float
-    metrics_file: Path
-
-    @property
-    def final_reward(self) -> float:
-        return float(self.job["status"]["progress"]["rewardMean"])
-
-    def metrics(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
-
-    def first_step_after(self, t: float) -> float:
-        return next(at for at, _ in self.steps if at > t) - t
-
-    def describe(self) -> str:
-        return json.dumps(self.job.get("status"), indent=1)[-3000:]
-
-    def assert_succeeded(self, min_reward: float) -> None:
-        assert condition(self.job, "Succeeded")["status"] == "True", self.describe()
-        steps = [p["step"] for p in self.progress]
-        assert steps == sorted(steps) and len(steps) >= 3, steps  # kubectl get rlj showed Step rising
-        rewards = [p["rewardMean"] for p in self.progress if p.get("rewardMean") is not None]
-        assert rewards[-1] > rewards[0], rewards
-        final = self.job["status"]["progress"]
-        assert final["step"] == final["totalSteps"] and self.final_reward >= min_reward, final
-        checkpoints = sorted(p.name for p in self.metrics_file.parent.iterdir() if p.name.startswith("step_"))
-        assert checkpoints, f"no checkpoint in {self.metrics_file.parent}"
-
-
-class JobRun:
-    """One RLTrainingJob applied with kubectl into a namespace of its own, with a `checkpoints` claim on a local
-    volume; followed through status.progress and the metrics file the runtime writes next to its checkpoints."""
-
-    def __init__(self, cluster: RealNodeCluster, job: dict[str, Any], namespace: str) -> None:
-        self.cluster = cluster
-        self.job = json.loads(json.dumps(job))
-        self.namespace = namespace
-        self.name = self.job["metadata"]["name"]
-        self.job["metadata"]["namespace"] = namespace
-        # The Ray cluster goes as soon as the job ends: the next run on this small node needs its room.
-        self.job["spec"].setdefault("runPolicy", {})["ttlSecondsAfterFinished"] = 0
-        self.progress: list[dict[str, Any]] = []
-        self.steps: list[tuple[float, int]] = []
-        self.rollbacks: list[float] = []  # when the metrics file was cut back to a checkpoint
-        self.t0 = 0.0
-        self.volume = Path()
-        self.metrics_file = Path()
-        self._lines = 0
-
-    def apply(self) -> None:
-        self.cluster.kubectl("create", "namespace", self.namespace)
-        self.volume = self.cluster.hostpath_volume("checkpoints", self.namespace)
-        mount = next(m["mountPath"] for m in self.job["spec"]["cluster"]["volumeMounts"] if m["name"] == "checkpoints")
-        inside = Path(self.job["spec"]["trainer"]["checkpoint"]["path"]).relative_to(mount)
-        self.metrics_file = self.volume / inside / "metrics.jsonl"
-        self.t0 = time.monotonic()
-        self.cluster.kubectl("apply", "-f", "-", input=json.dumps(self.job))
-
-    def poll(self) -> dict[str, Any]:
-        """Read the job and any new metrics lines; returns the job."""
-        found = self.cluster.get_json("rltrainingjob", self.name, "-n", self.namespace)
-        progress = found.get("status", {}).get("progress") or {}
-        if progress.get("step") and (not self.progress or self.progress[-1].get("step") != progress["step"]):
-            self.progress.append(progress)
-        if self.metrics_file.is_file():
-            lines = [line for line in self.metrics_file.read_text().splitlines() if line.strip()]
-            now = time.monotonic()
-            if len(lines) < self._lines:  # rolled back to a checkpoint: the file was cut
-                self._lines = len(lines)
-                self.rollbacks.append(now)
-            for line in lines[self._lines:]:
-                self.steps.append((now, int(json.loads(line)["step"])))
-            self._lines = len(lines)
-        return found
-
-    def _until(self, check: Callable[[dict[str, Any]], bool], what: str, timeout: float = RUN_S) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = self.poll()
-            if check(found):
-                return found
-            time.sleep(0.5)
-        pods = self.cluster.kubectl("get", "pods", "-n", self.namespace, "-o", "wide", check=False).stdout
-        raise AssertionError(f"{self.namespace}/{self.name}: {what} not within {timeout:.0f}s; "
-                             f"last progress {self.progress[-1:]}\n{pods}")
-
-    def wait_for_step(self, step: int) -> int:
-        """Until the metrics show `step` done; returns the newest step."""
-        self._until(lambda _: bool(self.steps) and self.steps[-1][1] >= step, f"step {step}")
-        return self.steps[-1][1]
-
-    def seconds_until_step_after_rollback(self, t: float) -> float:
-        """From `t` (a fault) to the first step completed after the run rolled back to its checkpoint."""
-        def resumed() -> bool:
-            back = next((r for r in self.rollbacks if r > t), None)
-            return back is not None and any(at > back for at, _ in self.steps)
-
-        self._until(lambda _: resumed(), "a rollback to the last checkpoint and a step after it")
-        back = next(r for r in self.rollbacks if r > t)
-        return next(at for at, _ in self.steps if at > back) - t
-
-    def to_end(self) -> RunResult:
-        if not self.t0:
-            self.apply()
-        found = self._until(lambda job: any(c["type"] in ("Succeeded", "Failed") and c["status"] == "True"
-                                            for c in job.get("status", {}).get("conditions", [])), "the end")
-        first = self.steps[0][0] - self.t0 if self.steps else float("nan")
-        return RunResult(found, self.progress, self.steps, first, time.monotonic() - self.t0, self.metrics_file)
 
 
 @pytest.fixture(scope="module")

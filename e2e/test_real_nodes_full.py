@@ -30,7 +30,7 @@ from e2e.harness.realcluster import (
     node_images,
     operator_values,
 )
-from e2e.test_real_nodes import MIN_FINAL_REWARD, TINY_GRPO, TINY_PPO, JobRun, require_real_nodes
+from e2e.realnode_runs import MIN_FINAL_REWARD, TINY_GRPO, TINY_PPO, JobRun, require_real_nodes
 from tests.helpers import condition
 
 pytestmark = pytest.mark.realnodes_full
