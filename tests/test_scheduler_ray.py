@@ -70,9 +70,6 @@ class TinyHost:
         dist.all_reduce(t)
         return float(t.item())
 
-    def ping(self) -> bool:
-        return True
-
     def slow(self, x: int, seconds: float) -> int:
         time.sleep(seconds)
         return x
@@ -100,6 +97,20 @@ def ppo_like(actor_res: dict[str, float], critic_res: dict[str, float], critic_p
     g.edge(Edge(actor, critic, data_type="rollout_batch"))
     g.edge(Edge(critic, actor, data_type="updated_policy", control=True))
     return g
+
+
+def until_dead(actor: Any, timeout: float = 30.0) -> None:
+    """ray.kill only sends the kill: wait until calls on the actor fail."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.node_info.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.1)
+    raise AssertionError(f"{actor} still answers {timeout:g}s after ray.kill")
 
 
 def live_pgs(prefix: str) -> list[str]:
@@ -187,7 +198,9 @@ class TestSingleNode:
     def test_wait_ready_names_a_host_that_stays_dead(self, local_sched: HybridScheduler) -> None:
         # runs late in the class: it leaves critic instance 1 dead for good
         name = local_sched.get_status()["nodes"]["critic"]["workers"][1]["actor"]
-        ray.kill(local_sched.hosts("critic")[1], no_restart=True)
+        dead = local_sched.hosts("critic")[1]
+        ray.kill(dead, no_restart=True)
+        until_dead(dead)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match=name):
             local_sched.wait_ready(timeout=2)

@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
+from ray.util.placement_group import placement_group_table
 
 from hybridflow.api import parse_job
 from hybridflow.driver import init_ray, run_training
@@ -125,6 +126,9 @@ def test_a_killed_controller_is_restarted_and_resumes(example_doc, tmp_path) -> 
     assert result["steps"] == 10
     steps = [r["step"] for r in read_metrics(tmp_path / "m.jsonl")]
     assert steps == list(range(1, 11))
+    left = [pg["name"] for pg in placement_group_table().values()
+            if pg["name"].startswith(job.metadata.name) and pg["state"] != "REMOVED"]
+    assert left == [], "the first controller's placement groups still hold their resources"
 
 
 def test_trainer_runs_in_process_and_reports_scheduler_status(example_doc, tmp_path) -> None:

@@ -64,7 +64,6 @@ class Host(Protocol):
     def free_port(self) -> int: ...
     def setup_distributed(self, master_addr: str, master_port: int, rank: int, world_size: int,
                           backend: str) -> None: ...
-    def ping(self) -> bool: ...
 
 
 HostKwargs = Callable[[ColocationGroup, int], dict[str, Any]]
@@ -121,6 +120,7 @@ class HybridScheduler:
         self._host_kwargs: HostKwargs | None = None
         self._serial = 0
         self._started = False
+        self._pg_prefix = ""
         self._channels = {
             e.key: EdgeChannel(e.key, scheduling.queue_high_watermark, e.max_size_bytes)
             for e in self.graph.data_edges()
@@ -140,6 +140,8 @@ class HybridScheduler:
             raise RuntimeError("ray.init() must run before HybridScheduler.start()")
         self._remote = ray.remote(host_cls)
         self._host_kwargs = host_kwargs
+        self._pg_prefix = f"{self.name_prefix}-{self.graph.name}-{ray.get_runtime_context().get_job_id()}-"
+        self._remove_predecessors()
         node_totals = [real_resources(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
         totals = real_resources(ray.cluster_resources())
         plans = plan_placement(self.graph, node_totals, self.dp_roles)
@@ -155,6 +157,18 @@ class HybridScheduler:
         except BaseException:
             self.shutdown()
             raise
+
+    def _remove_predecessors(self) -> None:
+        """Remove live placement groups an earlier incarnation of this controller left behind.
+
+        Ray scopes a placement group to the Ray job, not to the actor that created it, so when a
+        controller dies and Ray restarts it, the old groups keep their resources and the new ones
+        could never be placed. The prefix holds the Ray job id, so other drivers are never touched.
+        """
+        for pg_id, info in placement_group_table().items():
+            if info.get("name", "").startswith(self._pg_prefix) and info.get("state") != "REMOVED":
+                log.warning("removing placement group %s left by an earlier controller", info["name"])
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
 
     def _reserve(self, plans: list[PlacementPlan], totals: dict[str, float]) -> None:
         """Create every placement group (unique names: a retried driver never collides) and wait, bounded."""
@@ -433,9 +447,10 @@ class HybridScheduler:
     # -- recovery and teardown -------------------------------------------------------------------
 
     def wait_ready(self, timeout: float) -> None:
-        """Ping every host until all answer (Ray restarts dead ones up to max_restarts); refresh node info.
+        """Ask every host for its node info until all answer (Ray restarts dead ones up to max_restarts).
 
-        Raises TimeoutError naming the hosts that did not answer within `timeout` seconds.
+        The answer is the readiness signal, so a host that dies after answering is caught by the
+        next call rather than here. Raises TimeoutError naming the hosts that did not answer in time.
         """
         deadline = time.monotonic() + timeout
         waiting = {s.name: s for g in self._groups.values() for s in g.slots[: g.active] if s.actor is not None}
@@ -446,22 +461,21 @@ class HybridScheduler:
                 break
             for name, s in waiting.items():
                 if name not in inflight:
-                    inflight[name] = s.actor.ping.remote()  # type: ignore[union-attr]
+                    inflight[name] = s.actor.node_info.remote()  # type: ignore[union-attr]
             ready, _ = ray.wait(list(inflight.values()), num_returns=len(inflight), timeout=min(left, 1.0))
             for name, ref in list(inflight.items()):
                 if ref not in ready:
                     continue
                 del inflight[name]
                 try:
-                    ray.get(ref)
+                    info = ray.get(ref)
                 except ray.exceptions.RayError:
                     continue
-                del waiting[name]
+                waiting.pop(name).info = dict(info)
             if waiting and not inflight:
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         if waiting:
             raise TimeoutError(f"hosts not answering after {timeout:g}s: {', '.join(sorted(waiting))}")
-        self._fetch_info([(g, i) for g in self._groups.values() for i in range(g.active)])
 
     def shutdown(self) -> None:
         """Kill every host and remove every placement group; safe to call twice."""
@@ -491,7 +505,7 @@ class HybridScheduler:
     # -- helpers ---------------------------------------------------------------------------------
 
     def _pg_name(self, group: str) -> str:
-        return f"{self.name_prefix}-{self.graph.name}-{group}-{self.run_id}-{uuid.uuid4().hex[:6]}"
+        return f"{self._pg_prefix}{group}-{self.run_id}-{uuid.uuid4().hex[:6]}"
 
     @staticmethod
     def _bundle_nodes(pg: PlacementGroup) -> dict[int, str]:

@@ -77,9 +77,6 @@ class WorkerHost:
                           backend: str = "auto") -> str:
         return distributed.setup(master_addr, master_port, rank, world_size, backend)
 
-    def ping(self) -> bool:
-        return True
-
     # -- dataflow ---------------------------------------------------------------------------------
 
     def rollout(self, rows: list[dict[str, str]], group_ids: list[int], chain: list[str]) -> RolloutBatch:
