@@ -3,6 +3,7 @@ JobRun, which applies a job with kubectl and follows it to its end."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -15,6 +16,7 @@ import pytest
 
 from e2e.harness.nodes import missing_host_tools
 from e2e.harness.realcluster import RealNodeCluster
+from hybridflow.checkpoint import OWNER_FILE
 from tests.helpers import condition, in_ci
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +71,10 @@ class RunResult:
     def assert_succeeded(self, min_reward: float) -> None:
         assert condition(self.job, "Succeeded")["status"] == "True", self.describe()
         steps = [p["step"] for p in self.progress]
-        assert steps == sorted(steps) and len(steps) >= 3, steps  # kubectl get rlj showed Step rising
+        assert len(steps) >= 3, steps  # kubectl get rlj showed Step rising
+        every = self.job["spec"]["trainer"]["checkpoint"].get("every") or 0
+        drops = [(a, b) for a, b in itertools.pairwise(steps) if b < a]
+        assert all(a - b < every for a, b in drops), (steps, every)  # back at most to the last checkpoint
         rewards = [p["rewardMean"] for p in self.progress if p.get("rewardMean") is not None]
         assert rewards[-1] > rewards[0], rewards
         final = self.job["status"]["progress"]
@@ -93,6 +98,8 @@ class JobRun:
         self.progress: list[dict[str, Any]] = []
         self.steps: list[tuple[float, int]] = []
         self.rollbacks: list[float] = []  # when the metrics file was cut back to a checkpoint
+        self.claims: list[float] = []  # when a controller claimed the checkpoint directory
+        self._owner: str | None = None
         self.t0 = 0.0
         self.volume = Path()
         self.metrics_file = Path()
@@ -122,6 +129,11 @@ class JobRun:
             for line in lines[self._lines:]:
                 self.steps.append((now, int(json.loads(line)["step"])))
             self._lines = len(lines)
+        owner = self.metrics_file.parent / OWNER_FILE
+        token = owner.read_text().strip() if owner.is_file() else None
+        if token and token != self._owner:
+            self._owner = token
+            self.claims.append(time.monotonic())
         return found
 
     def _until(self, check: Callable[[dict[str, Any]], bool], what: str, timeout: float = RUN_S) -> dict[str, Any]:
@@ -149,6 +161,16 @@ class JobRun:
         self._until(lambda _: resumed(), "a rollback to the last checkpoint and a step after it")
         back = next(r for r in self.rollbacks if r > t)
         return next(at for at, _ in self.steps if at > back) - t
+
+    def seconds_until_step_after_claim(self, t: float) -> float:
+        """From `t` (a fault) to the first step completed by a controller that claimed the directory after it."""
+        def stepped() -> bool:
+            claim = next((c for c in self.claims if c > t), None)
+            return claim is not None and any(at > claim for at, _ in self.steps)
+
+        self._until(lambda _: stepped(), "a new controller's claim and a step after it")
+        claim = next(c for c in self.claims if c > t)
+        return next(at for at, _ in self.steps if at > claim) - t
 
     def to_end(self) -> RunResult:
         if not self.t0:

@@ -16,6 +16,8 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from hybridflow.api import parse_job
+from hybridflow.checkpoint import Superseded, claim
+from hybridflow.checkpoint import complete_steps as checkpoint_steps
 from hybridflow.driver import init_ray, run_training
 from hybridflow.trainer import Trainer
 
@@ -129,6 +131,21 @@ def test_a_killed_controller_is_restarted_and_resumes(example_doc, tmp_path) -> 
     left = [pg["name"] for pg in placement_group_table().values()
             if pg["name"].startswith(job.metadata.name) and pg["state"] != "REMOVED"]
     assert left == [], "the first controller's placement groups still hold their resources"
+
+
+def test_a_controller_whose_directory_was_claimed_stops_before_writing(example_doc, tmp_path) -> None:
+    """An orphaned controller (its Ray head lost) must not write beside the resubmitted job's controller."""
+    job = tiny_job(example_doc, "tiny-grpo.yaml", tmp_path, steps=4, every=2)
+    orphan = Trainer(job.model_dump(by_alias=True, mode="json"), str(tmp_path / "m.jsonl"))
+    try:
+        orphan.start()
+        claim(job.spec.trainer.checkpoint.path)  # the new submission's controller
+        with pytest.raises(Superseded):
+            orphan.fit()
+    finally:
+        orphan.shutdown()
+    assert not (tmp_path / "m.jsonl").exists() or read_metrics(tmp_path / "m.jsonl") == []
+    assert checkpoint_steps(job.spec.trainer.checkpoint.path) == []
 
 
 def test_trainer_runs_in_process_and_reports_scheduler_status(example_doc, tmp_path) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from hybridflow.advantages import compute_advantages
 from hybridflow.api import parse_job
-from hybridflow.checkpoint import commit, latest, prune, staging_dir
+from hybridflow.checkpoint import OWNER_FILE, Superseded, check_owner, claim, commit, latest, prune, staging_dir
 from hybridflow.data.prompts import PromptSampler, load_rows
 from hybridflow.data.tiny import TINY_CONFIG, ensure_tiny_model, tiny_task_reward
 from hybridflow.metrics import MetricsLog
@@ -140,6 +140,20 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path) -> None:
     assert latest(tmp_path)[0] == 6
     prune(tmp_path, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000006"]
+
+
+def test_a_newer_claim_supersedes_the_older_controller(tmp_path) -> None:
+    first = claim(tmp_path)
+    check_owner(tmp_path, first)
+    second = claim(tmp_path)
+    check_owner(tmp_path, second)
+    with pytest.raises(Superseded, match="another controller took over"):
+        check_owner(tmp_path, first)
+    (tmp_path / OWNER_FILE).unlink()
+    with pytest.raises(Superseded, match="owner removed"):
+        check_owner(tmp_path, second)
+    prune(tmp_path, keep=1)
+    assert not list(tmp_path.glob(".owner-*"))
 
 
 def test_metrics_log_truncates_after_a_rollback(tmp_path) -> None:

@@ -1,4 +1,9 @@
-"""Checkpoint directories: written aside and renamed into place, so a directory that exists is complete."""
+"""Checkpoint directories: written aside and renamed into place, so a directory that exists is complete.
+
+One controller writes a directory at a time: `claim` hands it a token and every write first checks it
+(`check_owner`). A controller orphaned by a lost Ray head keeps running until its raylet gives up on the
+GCS; the resubmitted job's controller claims the directory and the orphan stops at its next write.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,31 @@ import uuid
 from pathlib import Path
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+OWNER_FILE = "owner"
+
+
+class Superseded(RuntimeError):
+    """Another controller claimed the checkpoint directory; this one must stop writing."""
+
+
+def claim(root: str | Path) -> str:
+    """Make the caller the directory's writer; returns its token (written by an atomic rename)."""
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex
+    staged = path / f".owner-{token}"
+    staged.write_text(token)
+    staged.rename(path / OWNER_FILE)
+    return token
+
+
+def check_owner(root: str | Path, token: str) -> None:
+    """Raise Superseded unless `token` still holds the directory."""
+    owner = Path(root) / OWNER_FILE
+    found = owner.read_text().strip() if owner.is_file() else None
+    if found != token:
+        raise Superseded(f"another controller took over {root} (owner {found or 'removed'}); this one stops "
+                         "so that two never write the same checkpoints and metrics")
 
 
 def step_dir(root: str | Path, step: int) -> Path:

@@ -64,6 +64,8 @@ class Trainer:
         self.reporter = ProgressReporter.from_env()
         self.step = 0
         self.last_checkpoint: str | None = None
+        self.owner: str | None = None
+        """This controller's claim on the checkpoint directory (checkpoint.claim), when checkpoints are on."""
         self.latest: dict[str, Any] = {}
         self.started = False
         self.recoveries = 0
@@ -81,6 +83,8 @@ class Trainer:
                     "seed": seed, "use_gpu": use_gpu}
 
         self.scheduler.start(WorkerHost, host_kwargs)
+        if self.spec.trainer.checkpoint.every:
+            self.owner = checkpoint.claim(self.spec.trainer.checkpoint.path)
         self.started = True
 
     def shutdown(self) -> None:
@@ -111,6 +115,7 @@ class Trainer:
             self.step = record["step"]
             first_reward = record["reward_mean"] if first_reward is None else first_reward
             self.latest = {k: record[k] for k in ("reward_mean", "kl", "tokens_per_s") if k in record}
+            self._check_owner()
             self.metrics.write(record)
             self._maybe_checkpoint()
             if self.reporter:
@@ -225,10 +230,15 @@ class Trainer:
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                     "world": {name: 1 for name, _ in self._instances()}},
                    staging / "controller.pt")
+        self._check_owner()
         final = checkpoint.commit(staging, root, self.step)
         checkpoint.prune(root, self.spec.trainer.checkpoint.keep)
         self.last_checkpoint = str(final)
         return self.last_checkpoint
+
+    def _check_owner(self) -> None:
+        if self.owner is not None:
+            checkpoint.check_owner(self.spec.trainer.checkpoint.path, self.owner)
 
     def _restore_latest(self) -> bool:
         found = checkpoint.latest(self.spec.trainer.checkpoint.path)
