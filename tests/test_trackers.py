@@ -17,6 +17,7 @@ import yaml
 from hybridflow import trackers
 from hybridflow.api import SpecError, parse_job
 from hybridflow.api import crd as crdgen
+from hybridflow.preflight import preflight
 from hybridflow.step import StepOutput, step_record
 from hybridflow.trackers import (
     TRACKERS,
@@ -37,6 +38,14 @@ RECORDS = [
 EXPECTED = {"rollout/reward_mean": "reward_mean", "actor/kl": "kl", "actor/pg_loss": "actor_loss",
             "critic/value_loss": "critic_loss", "perf/tokens_per_s": "tokens_per_s",
             "timing/generate": "timing/generate"}
+
+
+@pytest.fixture
+def mlflow_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither a tracking URI nor the file-store opt-in in the environment; what the tracker sets is undone after."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def job_with(example_doc, tmp_path: Path, **loggers: Any):
@@ -135,6 +144,7 @@ def test_a_missing_package_names_its_extra_before_anything_opens(example_doc, tm
     problem = ("spec.trainer.loggers.backends: 'mlflow' needs the hybridflow_no_such_tracker package: "
                "pip install 'hybridflow[mlflow]' (or 'hybridflow[trackers]' for all)")
     assert missing_extras(job.spec.trainer.loggers.backends) == [problem]
+    assert problem in preflight(job.spec)
     with pytest.raises(TrackerUnavailable, match=r"hybridflow\[mlflow\]"):
         open_trackers(job, TRACKERS)
     assert not (tmp_path / "trackers").exists()
@@ -173,6 +183,19 @@ def test_a_failing_tracker_is_warned_about_once_and_the_others_go_on(caplog: pyt
     assert len(warnings) == 1 and "tracker broken failed to log" in warnings[0]
     assert [s for s, _ in kept.steps] == [1, 2, 3]
     assert kept.steps[1][1]["critic/value_loss"] == 1.0
+
+
+def test_the_console_shows_reward_and_kl_and_steps_back_on_a_rollback(example_doc, tmp_path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    console = open_trackers(job_with(example_doc, tmp_path, backends=["console"]), ("console",))
+    bar = console.trackers["console"].bar
+    for record in RECORDS[:2]:
+        console.log_record(record)
+    assert (bar.n, bar.total) == (2, 80)
+    console.log_record(RECORDS[0])
+    assert bar.n == 1 and bar.postfix == "reward=0.100, kl=0.010"
+    console.close()
+    assert "reward=0.100, kl=0.010" in capsys.readouterr().err
 
 
 # -- the backends, read back ----------------------------------------------------------------------------------
@@ -220,9 +243,7 @@ def test_a_restarted_run_replaces_tensorboards_steps_past_its_checkpoint(example
     assert held["actor/kl"] == pytest.approx({1: 0.01, 2: 5.02, 3: 5.03})
 
 
-def test_mlflow_file_store_holds_every_step_under_verl_names(example_doc, tmp_path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+def test_mlflow_file_store_holds_every_step_under_verl_names(example_doc, tmp_path, mlflow_env) -> None:
     job = job_with(example_doc, tmp_path, backends=["mlflow"], project="proj", experiment="exp")
     log_all(job, RECORDS)
     store = tmp_path / "trackers" / "mlruns"
@@ -295,7 +316,7 @@ def test_wandb_without_an_api_key_runs_offline_and_holds_every_step(example_doc,
 
 
 @pytest.mark.slow
-def test_the_trainer_sends_every_step_to_the_trackers(example_doc, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_trainer_sends_every_step_to_the_trackers(example_doc, tmp_path, mlflow_env) -> None:
     """A real short run: tensorboard and mlflow hold what the run's records say, step by step; without jsonl
     no metrics file is written, and the result still has the records."""
     import ray
@@ -303,7 +324,6 @@ def test_the_trainer_sends_every_step_to_the_trackers(example_doc, tmp_path, mon
     from hybridflow.driver import init_ray
     from hybridflow.trainer import Trainer
 
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     doc = example_doc("tiny-grpo.yaml")
     doc["metadata"]["name"] = "trk-run"
     doc["spec"]["trainer"].update(totalSteps=2, resume="never",
