@@ -164,6 +164,17 @@ def test_metrics_log_truncates_after_a_rollback(tmp_path) -> None:
     assert [r["step"] for r in log.read()] == [1, 2, 3]
 
 
+def test_metrics_log_without_a_file_keeps_the_run_in_memory(tmp_path) -> None:
+    log = MetricsLog(None)
+    for s in range(1, 6):
+        log.write({"step": s})
+    log.truncate_after(3)
+    log.write({"step": 4})
+    assert [r["step"] for r in log.read()] == [1, 2, 3, 4]
+    log.reset()
+    assert log.read() == [] and list(tmp_path.iterdir()) == []
+
+
 def test_creating_the_tiny_model_leaves_the_callers_random_state_alone(tmp_path, monkeypatch) -> None:
     """A fresh pod creates the built-in model, a laptop finds it cached: both must then sample alike."""
     monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path))

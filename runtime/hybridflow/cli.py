@@ -89,47 +89,31 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
         print(SpecError(config, problems).render(), file=sys.stderr)
         return 1
     metrics_out = args.metrics_out or default_metrics_path(job, local)
-    bar = _ProgressBar(job.spec.trainer.total_steps, enabled=not args.quiet)
+    from hybridflow.trackers import TrackerSet, namespaced, open_trackers
+
+    console = TrackerSet({}) if args.quiet else open_trackers(job, ("console",))
+
+    def on_progress(progress: dict[str, Any]) -> None:
+        console.log(int(progress.get("step", 0)), namespaced(progress))
+
     t0 = time.perf_counter()
     try:
-        result = run_training(job, metrics_out, bar.update)
+        result = run_training(job, metrics_out, on_progress)
     except TrainingFailed as e:
-        bar.close()
+        console.close()
         return _fail(str(e))
     except Exception as e:  # placement and other plan errors carry their own message
-        bar.close()
+        console.close()
         from hybridflow.driver import _cause
 
         return _fail(_cause(e))
-    bar.close()
-    _summarise(result, metrics_out, time.perf_counter() - t0)
+    console.close()
+    written = metrics_out if "jsonl" in job.spec.trainer.loggers.backends else None
+    _summarise(result, written, time.perf_counter() - t0)
     return 0
 
 
-class _ProgressBar:
-    """tqdm with the live reward in the postfix."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, disable=not enabled)
-
-    def update(self, progress: dict[str, Any]) -> None:
-        step = int(progress.get("step", 0))
-        if step > self.bar.n:
-            self.bar.update(step - self.bar.n)
-        elif step < self.bar.n:  # rolled back to a checkpoint
-            self.bar.reset(total=self.bar.total)
-            self.bar.update(step)
-        post = {k: f"{progress[k]:.3f}" for k in ("reward_mean", "kl") if progress.get(k) is not None}
-        if post:
-            self.bar.set_postfix(post, refresh=False)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-def _summarise(result: dict[str, Any], metrics_out: str, seconds: float) -> None:
+def _summarise(result: dict[str, Any], metrics_out: str | None, seconds: float) -> None:
     recs = result["records"]
     if not recs:
         print(f"nothing to do: already at step {result['steps']}")

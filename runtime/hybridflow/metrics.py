@@ -11,10 +11,14 @@ PLOTTED = ("reward_mean", "kl", "actor_loss", "critic_loss", "entropy", "respons
 
 
 class MetricsLog:
-    """Append-only within a run; after a rollback the steps past the restored one are dropped."""
+    """Append-only within a run; after a rollback the steps past the restored one are dropped.
+
+    Without a path (spec.trainer.loggers without jsonl) the records are kept in memory, for the run's result.
+    """
 
     def __init__(self, path: str | Path | None) -> None:
         self.path = Path(path) if path else None
+        self._memory: list[dict[str, Any]] = []
         if self.path:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -22,19 +26,25 @@ class MetricsLog:
         if self.path:
             with self.path.open("a") as f:
                 f.write(json.dumps(record, sort_keys=True) + "\n")
+        else:
+            self._memory.append(dict(record))
 
     def read(self) -> list[dict[str, Any]]:
-        if not self.path or not self.path.is_file():
+        if not self.path:
+            return list(self._memory)
+        if not self.path.is_file():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def truncate_after(self, step: int) -> None:
+        self._memory = [r for r in self._memory if r.get("step", 0) <= step]
         if not self.path or not self.path.is_file():
             return
         kept = [r for r in self.read() if r.get("step", 0) <= step]
         self.path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
 
     def reset(self) -> None:
+        self._memory = []
         if self.path and self.path.is_file():
             self.path.unlink()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.data.prompts import DataError, load_rows
 from hybridflow.plan import graph_problems
+from hybridflow.trackers import missing_extras
 from hybridflow.workers.modeling import ModelPathError, check_model_dir
 from hybridflow.workers.reward import RewardFunctionError, resolve_reward_function
 
@@ -37,4 +38,5 @@ def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
     problems += graph_problems(spec, "GPU" if accelerator == "GPU" else "CPU")
     if spec.rollout.engine == "vllm" and accelerator != "GPU":
         problems.append("spec.rollout.engine: 'vllm' needs a GPU; use 'torch' on CPU-only machines")
+    problems += missing_extras(spec.trainer.loggers.backends)
     return problems

@@ -26,6 +26,7 @@ from hybridflow.scheduler import HybridScheduler
 from hybridflow.scheduler.group import HostGroup
 from hybridflow.scheduler.placement import pin_to_pools
 from hybridflow.step import PhaseResult, UpdateResult, run_step, step_record
+from hybridflow.trackers import TRACKERS, TrackerSet, TrackerUnavailable, missing_extras, open_trackers
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.host import WorkerHost
 
@@ -42,6 +43,9 @@ class Trainer:
                  parallelism: int = 1, critic_parallelism: int | None = None) -> None:
         self.job = RLTrainingJob.model_validate(job)
         self.spec = self.job.spec
+        missing = missing_extras(self.spec.trainer.loggers.backends)
+        if missing:
+            raise TrackerUnavailable("; ".join(missing))
         if accelerator == "auto":
             accelerator = "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
         self.accelerator: Literal["GPU", "CPU"] = "GPU" if accelerator == "GPU" else "CPU"
@@ -60,7 +64,9 @@ class Trainer:
         kl = self.spec.algorithm.kl_penalty
         self.kl_ctl = (algos.AdaptiveKLController(kl.coef, kl.target_kl, kl.horizon) if kl.adaptive
                        else algos.FixedKLController(kl.coef))
-        self.metrics = MetricsLog(metrics_out)
+        self.metrics_out = metrics_out
+        self.metrics = MetricsLog(metrics_out if "jsonl" in self.spec.trainer.loggers.backends else None)
+        self.trackers = TrackerSet({})
         self.reporter = ProgressReporter.from_env()
         self.step = 0
         self.last_checkpoint: str | None = None
@@ -97,7 +103,12 @@ class Trainer:
         return {"step": self.step, "total_steps": self.spec.trainer.total_steps, **self.latest}
 
     def fit(self) -> dict[str, Any]:
-        """Train to totalSteps, resuming from the newest checkpoint when resume=auto."""
+        """Train to totalSteps, resuming from the newest checkpoint when resume=auto.
+
+        Each record goes to metrics.jsonl and to the trackers of spec.trainer.loggers, opened here (after a
+        resume, from the restored step on) and closed at the end. A rollback after a worker loss truncates
+        metrics.jsonl, while the trackers simply receive the replayed steps again.
+        """
         if not self.started:
             self.start()
         total = self.spec.trainer.total_steps
@@ -105,21 +116,11 @@ class Trainer:
             log.info("resumed from %s at step %d", self.last_checkpoint, self.step)
         else:
             self.metrics.reset()
-        first_reward = None
-        while self.step < total:
-            try:
-                record = self.train_step(self.step + 1)
-            except WORKER_LOST as e:
-                self._recover(e)
-                continue
-            self.step = record["step"]
-            first_reward = record["reward_mean"] if first_reward is None else first_reward
-            self.latest = {k: record[k] for k in ("reward_mean", "kl", "tokens_per_s") if k in record}
-            self._check_owner()
-            self.metrics.write(record)
-            self._maybe_checkpoint()
-            if self.reporter:
-                self.reporter.report(self.step, total, record, self.last_checkpoint, force=self.step == total)
+        self.trackers = open_trackers(self.job, TRACKERS, self.metrics_out, first_step=self.step + 1)
+        try:
+            self._loop(total)
+        finally:
+            self.trackers.close()
         records = self.metrics.read()
         png = None
         if self.metrics.path:
@@ -127,6 +128,22 @@ class Trainer:
                                f"{self.job.metadata.name} ({self.spec.algorithm.name})")
         return {"steps": self.step, "records": records, "plot": str(png) if png else None,
                 "recoveries": self.recoveries, "last_checkpoint": self.last_checkpoint}
+
+    def _loop(self, total: int) -> None:
+        while self.step < total:
+            try:
+                record = self.train_step(self.step + 1)
+            except WORKER_LOST as e:
+                self._recover(e)
+                continue
+            self.step = record["step"]
+            self.latest = {k: record[k] for k in ("reward_mean", "kl", "tokens_per_s") if k in record}
+            self._check_owner()
+            self.metrics.write(record)
+            self.trackers.log_record(record)
+            self._maybe_checkpoint()
+            if self.reporter:
+                self.reporter.report(self.step, total, record, self.last_checkpoint, force=self.step == total)
 
     # -- one step ---------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -191,6 +191,42 @@ class Checkpoint(ApiModel):
     keep: int = Field(2, ge=1)
 
 
+LoggerBackend = Literal["console", "jsonl", "tensorboard", "mlflow", "wandb"]
+LOGGER_BACKENDS: tuple[str, ...] = get_args(LoggerBackend)
+
+DEFAULT_LOGGER_BACKENDS: list[LoggerBackend] = ["console", "jsonl"]
+
+
+class Loggers(ApiModel):
+    """Where each step's metrics go, as verl's `trainer.logger` and TRL's `report_to` name them.
+
+    `console` is the progress bar and `jsonl` the run's metrics.jsonl (with its plot): the default. The
+    trackers (tensorboard, mlflow, wandb) receive namespaced names (`actor/kl`, `timing/generate`) and
+    need the hybridflow extra of the same name in the runtime.
+    """
+
+    backends: list[LoggerBackend] = Field(
+        DEFAULT_LOGGER_BACKENDS,
+        max_length=len(LOGGER_BACKENDS),
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    """Any of console, jsonl, tensorboard, mlflow, wandb; [] logs nothing."""
+    project: str = Field("hybridflow", min_length=1, max_length=128)
+    """The tracker's project: the mlflow experiment, the wandb project, a tensorboard folder."""
+    experiment: str | None = Field(None, min_length=1, max_length=128)
+    """This run's name in the tracker; defaults to the job's name."""
+    dir: str | None = Field(None, min_length=1)
+    """Where tensorboard, mlflow and wandb write their files; defaults to the metrics file's directory."""
+
+    @field_validator("backends")
+    @classmethod
+    def _unique_backends(cls, backends: list[str]) -> list[str]:
+        twice = _duplicates(backends)
+        if twice:
+            raise ValueError(f"{', '.join(map(repr, twice))} appears more than once")
+        return backends
+
+
 class Trainer(ApiModel):
     total_steps: int = Field(20, ge=1, le=10_000_000)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
@@ -201,6 +237,8 @@ class Trainer(ApiModel):
     max_grad_norm: float = Field(1.0, gt=0.0)
     worker_max_restarts: int = Field(3, ge=0)
     """Ray restarts a dead worker or controller up to this many times."""
+    loggers: Loggers = Field(default_factory=Loggers)
+    """Console, metrics file and experiment trackers."""
 
 
 class GraphNode(ApiModel):
