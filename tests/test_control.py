@@ -97,7 +97,9 @@ def run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     doc["spec"]["algorithm"]["miniBatchSize"] = 8
     doc["spec"]["trainer"].update(totalSteps=100_000, resume="auto", workerMaxRestarts=1,
                                   checkpoint={"every": 2, "path": str(tmp / "ckpt")})
-    doc["spec"]["scheduling"] = {"placementTimeoutSeconds": 60}
+    # every observation of the reward queue (one chunk a step) is "low": backpressure would walk a raised
+    # reward node back at once, unless a manual change moved the level it relaxes toward
+    doc["spec"]["scheduling"] = {"placementTimeoutSeconds": 60, "queueHighWatermark": 4, "backpressureWindow": 1}
     r = Run(parse_job(doc), tmp / "metrics.jsonl")
     r.thread.start()
     wait_for(lambda: len(r.steps()) >= 1 or r.error is not None, 300, "the first step")
@@ -160,6 +162,9 @@ def test_scale_a_reward_node_up_and_down(run: Run, handle: JobHandle) -> None:
                                                               "reason": "more scoring"}
     at = status["step"]
     wait_for(lambda: handle.scheduler.get_status()["step"] >= at + 2, 120, "two steps with two scorers")
+    status = handle.scheduler.get_status()
+    assert parallelism(status)["reward"] == 2 and status["nodes"]["reward"]["target_parallelism"] == 2
+    assert not [d for d in status["decisions"] if d.startswith("Backpressure: reward parallelism 2 -> 1")]
     assert handle.scheduler.adjust_parallelism("reward", 1, "enough") == 1
     status = handle.scheduler.get_status()
     assert parallelism(status)["reward"] == 1

@@ -395,18 +395,19 @@ class HybridScheduler:
         """
         g = self._group(node_name)
         old, target = g.active, max(1, int(target_parallelism))
-        if target != old:
-            partners = [n for n in g.plan.node_names if n != node_name]
-            with_ = f"; with co-located {', '.join(partners)}" if partners else ""
-            if target < old:
-                self._lower(g, target)
-            elif not self._raise(g, target, node_name, reason, source):
-                return old
-            self._decide(f"{source}: {node_name} parallelism {old} -> {target} ({reason}){with_}")
+        if target == old:
+            if source == "Manual":
+                g.target = target
+            return old
+        partners = [n for n in g.plan.node_names if n != node_name]
+        with_ = f"; with co-located {', '.join(partners)}" if partners else ""
+        if target < old:
+            self._lower(g, target)
+        elif not self._raise(g, target, node_name, reason, source):
+            return old
+        self._decide(f"{source}: {node_name} parallelism {old} -> {target} ({reason}){with_}")
         if source == "Manual":
             g.target = target
-        if target == old:
-            return old
         if target > old:
             self._log_placement(g, range(old, target))
         if g.plan.data_parallel:
