@@ -1,4 +1,4 @@
-"""hybridflow run | train | validate | render."""
+"""hybridflow run | train | validate | render | ctl."""
 
 from __future__ import annotations
 
@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     ren = sub.add_parser("render", help="print the manifests the operator would create")
     ren.add_argument("file")
     ren.set_defaults(fn=cmd_render)
+    from hybridflow.control import cli as control_cli
+
+    control_cli.add_parser(sub)
     return p
 
 

@@ -6,13 +6,13 @@ import contextlib
 import logging
 import os
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from hybridflow.api.spec import RLTrainingJob
+from hybridflow.control.names import RAY_NAMESPACE, controller_name, job_ref
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -40,16 +40,26 @@ def run_training(job: RLTrainingJob, metrics_out: str | None, on_progress: Progr
     """Create the controller actor (max_restarts from the spec) and drive it to the end.
 
     When the controller's process dies, Ray restarts it; `fit` is called again and resumes from the newest
-    checkpoint. It asks for a CPU so it is never placed on a head node started with num-cpus 0.
+    checkpoint. It asks for a CPU so it is never placed on a head node started with num-cpus 0. Its name
+    (control.names.controller_name) lets `hybridflow.connect` find it, and makes a second run of the same
+    job in the same Ray cluster fail here instead of training twice. `fit` holds one of its threads; the
+    others answer progress polls and live control, so a scale request waiting for a step boundary never
+    blocks a status call.
     """
     from hybridflow.trainer import Trainer  # torch is imported by the controller, not by this driver
 
     restarts = job.spec.trainer.worker_max_restarts
+    ref = job_ref(job.metadata.name, job.metadata.namespace)
+    name = controller_name(ref)
     controller_cls: Any = ray.remote(Trainer)
-    ctrl = controller_cls.options(
-        name=f"hybridflow-controller-{job.metadata.name}-{uuid.uuid4().hex[:6]}", num_cpus=1,
-        max_restarts=restarts, max_task_retries=0, max_concurrency=2,
-    ).remote(job.model_dump(by_alias=True, mode="json"), metrics_out, "auto", parallelism, critic_parallelism)
+    try:
+        ctrl = controller_cls.options(
+            name=name, namespace=RAY_NAMESPACE, num_cpus=1,
+            max_restarts=restarts, max_task_retries=0, max_concurrency=4,
+        ).remote(job.model_dump(by_alias=True, mode="json"), metrics_out, "auto", parallelism, critic_parallelism)
+    except ray.exceptions.ActorAlreadyExistsError:
+        raise TrainingFailed(f"job {ref} is already running in this Ray cluster (its controller {name!r} is "
+                             f"alive in Ray namespace {RAY_NAMESPACE!r}); stop it before starting it again") from None
     attempts = 0
     try:
         while True:
@@ -69,6 +79,19 @@ def run_training(job: RLTrainingJob, metrics_out: str | None, on_progress: Progr
         with contextlib.suppress(Exception):  # already gone: Ray reclaims what it owned
             ray.get(ctrl.shutdown.remote(), timeout=60)
         ray.kill(ctrl, no_restart=True)
+        _wait_released(name)
+
+
+def _wait_released(name: str, timeout_s: float = 30.0) -> None:
+    """Until Ray has freed the controller's name, so the same job can run again right away."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=RAY_NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.1)
+    log.warning("the controller name %s is still taken after %.0fs", name, timeout_s)
 
 
 def _wait(ctrl: Any, done: ray.ObjectRef, on_progress: ProgressFn | None, poll_s: float) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -18,9 +19,12 @@ import torch
 
 from hybridflow import algos, checkpoint
 from hybridflow.api.spec import RLTrainingJob
+from hybridflow.control import store
+from hybridflow.control.names import job_ref
+from hybridflow.control.steering import Steering
 from hybridflow.data.prompts import PromptSampler, load_rows
 from hybridflow.metrics import MetricsLog, plot_metrics
-from hybridflow.plan import step_plan, trainable_graph
+from hybridflow.plan import sequences_per_step, step_plan, trainable_graph
 from hybridflow.reporting import ProgressReporter
 from hybridflow.scheduler import HybridScheduler
 from hybridflow.scheduler.group import HostGroup
@@ -76,6 +80,9 @@ class Trainer:
         self.started = False
         self.recoveries = 0
         self._host_counts: dict[str, int] = {}
+        self.ref = job_ref(self.job.metadata.name, self.job.metadata.namespace)
+        self.steering = Steering(self.scheduler, store.TargetStore(Path(t.checkpoint.path) / store.FILE_NAME),
+                                 rules=[self._parallelism_problem], on_change=self._sync_new_hosts)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -92,6 +99,10 @@ class Trainer:
         if self.spec.trainer.checkpoint.every:
             self.owner = checkpoint.claim(self.spec.trainer.checkpoint.path)
         self.started = True
+        self._host_counts = {g.node: len(g.hosts) for g in self.trained}
+        if self.spec.trainer.resume == "never" and not _restarted_by_ray():
+            self.steering.store.clear()  # a fresh run starts from the spec, as it ignores checkpoints
+        self.steering.reapply()  # before a checkpoint loads: it may hold the stored parallelism's ranks
 
     def shutdown(self) -> None:
         if self.started:
@@ -99,10 +110,37 @@ class Trainer:
             self.started = False
 
     def progress(self) -> dict[str, Any]:
-        """Polled by the driver for its progress bar (the actor runs with max_concurrency=2)."""
+        """Polled by the driver for its progress bar (the actor runs calls on several threads)."""
         return {"step": self.step, "total_steps": self.spec.trainer.total_steps, **self.latest}
 
+    def control_status(self) -> dict[str, Any]:
+        """For `hybridflow.connect` and `hybridflow ctl status`: the scheduler's status, the step, and
+        what was asked for from outside. Answered on another of the actor's threads while `fit` runs."""
+        for attempt in range(5):
+            try:
+                status = self.scheduler.get_status()
+                break
+            except RuntimeError:  # the loop changed a queue while it was read
+                if attempt == 4:
+                    raise
+                time.sleep(0.05)
+        controller = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        return {"job": str(self.ref), "step": self.step, "total_steps": self.spec.trainer.total_steps,
+                "controller": controller, **status, "manual": self.steering.status()}
+
+    def control_scale(self, node: str, parallelism: int, reason: str, wait_s: float = 600.0) -> dict[str, Any]:
+        """For `adjust_parallelism` from outside: applied at the next step boundary (see Steering)."""
+        return self.steering.request(node, parallelism, reason, wait_s)
+
     def fit(self) -> dict[str, Any]:
+        """Train to totalSteps; requests from outside are applied between steps."""
+        self.steering.open()
+        try:
+            return self._fit()
+        finally:
+            self.steering.close()
+
+    def _fit(self) -> dict[str, Any]:
         """Train to totalSteps, resuming from the newest checkpoint when resume=auto.
 
         Each record goes to metrics.jsonl and to the trackers of spec.trainer.loggers, opened here (after a
@@ -131,6 +169,7 @@ class Trainer:
 
     def _loop(self, total: int) -> None:
         while self.step < total:
+            self.steering.serve()
             try:
                 record = self.train_step(self.step + 1)
             except WORKER_LOST as e:
@@ -213,8 +252,12 @@ class Trainer:
 
     def _observe(self) -> None:
         """One backpressure observation, taken when no generation is in flight (lowering the actor's
-        parallelism then never kills a busy host); hosts added to a trained group get its current state."""
+        parallelism then never kills a busy host)."""
         self.scheduler.observe()
+        self._sync_new_hosts()
+
+    def _sync_new_hosts(self) -> None:
+        """Hosts added to a trained group get its current state from its first host."""
         for group in self.trained:
             hosts = group.hosts
             known = self._host_counts.get(group.node, len(hosts))
@@ -222,6 +265,22 @@ class Trainer:
                 state: ray.ObjectRef = hosts[0].export_state.remote()
                 ray.get([h.import_state.remote(state) for h in hosts[known:]])
             self._host_counts[group.node] = len(hosts)
+
+    def _parallelism_problem(self, node: str, parallelism: int) -> str | None:
+        """The step plan's limits on a change from outside (the scheduler checks roles and resources):
+        a fused step is one call on the actor's single host; every trained rank needs a sequence."""
+        group = next(({n.name for n in g.nodes} for g in self.graph.colocation_groups()
+                      if node in {n.name for n in g.nodes}), None)
+        if group is None:
+            return None  # unknown: the scheduler says so
+        if self.plan.fused and self.plan.actor.name in group and parallelism != 1:
+            return (f"{node} cannot change parallelism: this plan runs each step in one call on the actor's "
+                    "single host")
+        have = sequences_per_step(self.spec)
+        if parallelism > have and any(n.name in group for n in self.plan.trained):
+            return (f"{parallelism} ranks of {node} need at least one sequence each, but a step has {have} "
+                    "(spec.data.batchSize * spec.rollout.samplesPerPrompt)")
+        return None
 
     # -- checkpoints and recovery -----------------------------------------------------------------
 
@@ -258,16 +317,24 @@ class Trainer:
             checkpoint.check_owner(self.spec.trainer.checkpoint.path, self.owner)
 
     def _restore_latest(self) -> bool:
+        """Load the newest checkpoint into every host.
+
+        A group's parallelism may differ from the checkpoint's (changed from outside or by backpressure
+        after it was written): data-parallel ranks hold the same state, so a rank the checkpoint lacks
+        loads rank 0's file, and saved ranks beyond those running are not needed.
+        """
         found = checkpoint.latest(self.spec.trainer.checkpoint.path)
         if found is None:
             return False
         _step, path = found
         state = torch.load(Path(path) / "controller.pt", weights_only=False)
-        missing = sorted(set(state["world"]) - {name for name, _ in self._instances()})
-        if missing:
-            raise RuntimeError(f"checkpoint {path} was written by ranks {missing} that this plan lacks: "
-                               "resume needs the same parallelism")
-        ray.get([h.load.remote(str(path), name) for name, h in self._instances()])
+        saved = set(state["world"])
+        running = self._instances()
+        lacking = sorted({_lead(n) for n in saved} - {_lead(n) for n, _ in running})
+        if lacking:
+            raise RuntimeError(f"checkpoint {path} holds state of {', '.join(lacking)}, which this graph lacks: "
+                               "resume needs the same graph")
+        ray.get([h.load.remote(str(path), name if name in saved else f"{_lead(name)}_0") for name, h in running])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.sampler.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
@@ -296,3 +363,14 @@ class Trainer:
 
 def _add_busy(busy: dict[str, float], key: str, seconds: float) -> None:
     busy[key] = busy.get(key, 0.0) + seconds
+
+
+def _lead(rank_name: str) -> str:
+    """`critic_3` -> `critic`: the co-location group of a checkpoint file's rank."""
+    return rank_name.rsplit("_", 1)[0]
+
+
+def _restarted_by_ray() -> bool:
+    """True in a controller actor that Ray restarted after its process died (not in a fresh run)."""
+    ctx = ray.get_runtime_context()
+    return ctx.get_actor_id() is not None and bool(ctx.was_current_actor_reconstructed)

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import ray
 from ray.actor import ActorHandle
@@ -27,6 +27,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.api.spec import Scheduling
+from hybridflow.control.names import RAY_NAMESPACE
 from hybridflow.graph import ColocationGroup, DataflowGraph
 from hybridflow.scheduler.backpressure import BackpressureDecision, BackpressurePolicy
 from hybridflow.scheduler.edges import EdgeChannel
@@ -48,7 +49,7 @@ from hybridflow.scheduler.placement import (
 
 log = logging.getLogger("hybridflow.scheduler")
 
-NAMESPACE = "hybridflow"
+NAMESPACE = RAY_NAMESPACE
 DIST_BACKEND = "auto"
 """Passed to setup_distributed: the host picks nccl when CUDA is available in its process, else gloo."""
 
@@ -67,6 +68,8 @@ class Host(Protocol):
 
 
 HostKwargs = Callable[[ColocationGroup, int], dict[str, Any]]
+Source = Literal["Backpressure", "Manual"]
+"""Who changed a parallelism: the first word of its decision."""
 
 
 @dataclass
@@ -87,6 +90,11 @@ class _Group:
     slots: list[_Slot]
     active: int
     pgs: list[PlacementGroup]
+    target: int = 0
+    """The level backpressure relaxes toward: the plan's parallelism until a manual change sets it."""
+
+    def __post_init__(self) -> None:
+        self.target = self.target or self.plan.parallelism
 
     @property
     def hosts(self) -> list[ActorHandle]:
@@ -307,7 +315,8 @@ class HybridScheduler:
         return self._group(node_name).plan.node_names
 
     def planned_parallelism(self, node_name: str) -> int:
-        return self._group(node_name).plan.parallelism
+        """The level backpressure relaxes toward: the plan's, or the last manual change's."""
+        return self._group(node_name).target
 
     def channel(self, edge_key: str) -> EdgeChannel:
         """The queue of data edge `src->dst`; control edges have none."""
@@ -329,6 +338,8 @@ class HybridScheduler:
                 "workers": workers,
                 "parallelism": g.active if g else 0,
                 "planned_parallelism": n.parallelism,
+                "target_parallelism": g.target if g else n.parallelism,
+                "data_parallel": g.plan.data_parallel if g else False,
                 "resources": dict(n.resources),
                 "group": g.plan.name if g else None,
                 "queue_len": sum(self._channels[e.key].pending() for e in self.graph.data_edges()
@@ -343,7 +354,36 @@ class HybridScheduler:
 
     # -- parallelism -----------------------------------------------------------------------------
 
-    def adjust_parallelism(self, node_name: str, target_parallelism: int, reason: str) -> int:
+    def parallelism_problem(self, node_name: str, target: int) -> str | None:
+        """Why `node_name` cannot run `target` instances now, or None; asks Ray, changes nothing.
+
+        A group holding a training role but planned without data-parallel ranks cannot grow: its new
+        instances would train apart from the first. Growing needs the extra bundles free right now.
+        """
+        names = [n.name for n in self.graph.nodes]
+        if node_name not in names:
+            return f"unknown node {node_name!r}; the graph has {', '.join(names)}"
+        if node_name not in self._group_of:
+            return "the scheduler has not placed the graph yet"
+        if target < 1:
+            return f"parallelism must be at least 1, got {target}"
+        g = self._group(node_name)
+        trains = sorted({n.role for n in g.plan.group.nodes} & set(self.dp_roles))
+        if trains and not g.plan.data_parallel and target != g.active:
+            return (f"{node_name} cannot change parallelism: its group {g.plan.name} trains ({', '.join(trains)}) "
+                    f"without data-parallel ranks (planned parallelism {g.plan.parallelism}); plan it with "
+                    "parallelism > 1 to make it scalable")
+        need = target - len(g.slots)
+        if need > 0:
+            demand = scale(g.plan.bundle, need)
+            available = real_resources(ray.available_resources())
+            if not fits(demand, available):
+                return (f"the cluster lacks the resources for {target} instances of {node_name} ({need} more "
+                        f"bundles): {describe_missing(demand, real_resources(ray.cluster_resources()), available)}")
+        return None
+
+    def adjust_parallelism(self, node_name: str, target_parallelism: int, reason: str,
+                           source: Source = "Backpressure") -> int:
         """Change the instance count of `node_name`'s co-location group; returns the count now in effect.
 
         Co-located nodes share hosts, so they change together. Lowering kills hosts from the highest
@@ -351,19 +391,23 @@ class HybridScheduler:
         those idle bundles first, then reserves an extra placement group with a bounded wait; when the
         resources are not there it logs why and returns the unchanged count. Data-parallel groups get
         new ranks (setup_distributed on every host); the new hosts start from host_kwargs, so the
-        trainer loads their state.
+        trainer loads their state. A manual change also becomes the group's target (see `planned_parallelism`).
         """
         g = self._group(node_name)
         old, target = g.active, max(1, int(target_parallelism))
         if target == old:
+            if source == "Manual":
+                g.target = target
             return old
         partners = [n for n in g.plan.node_names if n != node_name]
         with_ = f"; with co-located {', '.join(partners)}" if partners else ""
         if target < old:
             self._lower(g, target)
-        elif not self._raise(g, target, node_name, reason):
+        elif not self._raise(g, target, node_name, reason, source):
             return old
-        self._decide(f"Backpressure: {node_name} parallelism {old} -> {target} ({reason}){with_}")
+        self._decide(f"{source}: {node_name} parallelism {old} -> {target} ({reason}){with_}")
+        if source == "Manual":
+            g.target = target
         if target > old:
             self._log_placement(g, range(old, target))
         if g.plan.data_parallel:
@@ -384,21 +428,21 @@ class HybridScheduler:
         kept = {pg.id for pg in g.pgs}
         g.slots = [s for s in g.slots if s.pg.id in kept]
 
-    def _raise(self, g: _Group, target: int, node_name: str, reason: str) -> bool:
+    def _raise(self, g: _Group, target: int, node_name: str, reason: str, source: Source) -> bool:
         need = target - len(g.slots)
         if need > 0:
             demand = scale(g.plan.bundle, need)
             available = real_resources(ray.available_resources())
             if not fits(demand, available):
                 why = describe_missing(demand, real_resources(ray.cluster_resources()), available)
-                self._decide(f"Backpressure: cannot raise {node_name} parallelism {g.active} -> {target}: "
+                self._decide(f"{source}: cannot raise {node_name} parallelism {g.active} -> {target}: "
                              f"{why} ({reason})")
                 return False
             pg = placement_group([dict(g.plan.bundle)] * need, strategy="PACK", name=self._pg_name(g.plan.name))
             ready, _ = ray.wait([pg.ready()], timeout=self.adjust_timeout_s)
             if not ready:
                 remove_placement_group(pg)
-                self._decide(f"Backpressure: cannot raise {node_name} parallelism {g.active} -> {target}: "
+                self._decide(f"{source}: cannot raise {node_name} parallelism {g.active} -> {target}: "
                              f"{need} more bundles not placed within {self.adjust_timeout_s:g}s ({reason})")
                 return False
             g.pgs.append(pg)

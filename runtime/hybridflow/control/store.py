@@ -1,0 +1,54 @@
+"""The parallelism asked for from outside, kept in a small JSON file next to the job's checkpoints.
+
+The file outlives the controller's process, so a controller that Ray restarts puts the same
+parallelism back before it loads a checkpoint; it is written before a change is applied and put back
+when the change fails, so it never names a parallelism the job did not get.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+FILE_NAME = "control.json"
+HISTORY = 100
+
+
+class TargetStore:
+    """{node: parallelism} plus the recent requests, read and written whole (atomic rename)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def read(self) -> dict[str, Any]:
+        if not self.path.is_file():
+            return {"targets": {}, "history": []}
+        data = json.loads(self.path.read_text())
+        return {"targets": {str(k): int(v) for k, v in data.get("targets", {}).items()},
+                "history": list(data.get("history", []))}
+
+    def targets(self) -> dict[str, int]:
+        return dict(self.read()["targets"])
+
+    def write(self, data: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+    def record(self, node: str, replaces: list[str], old: int, new: int, reason: str) -> dict[str, Any]:
+        """Set `node`'s target (dropping the co-located `replaces`, which share its hosts) and log the
+        request; returns the previous content so a failed change can put it back."""
+        before = self.read()
+        targets = {k: v for k, v in before["targets"].items() if k not in replaces}
+        targets[node] = new
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "node": node, "old": old,
+                 "new": new, "reason": reason}
+        self.write({"targets": targets, "history": (before["history"] + [entry])[-HISTORY:]})
+        return before
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)

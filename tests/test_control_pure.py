@@ -1,0 +1,79 @@
+"""Live control without Ray: the controller's name, job references, the stored targets, the status text."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridflow.control import RAY_NAMESPACE, JobRef, controller_name, job_ref
+from hybridflow.control.cli import render_status
+from hybridflow.control.store import TargetStore
+from hybridflow.scheduler.hybrid import NAMESPACE
+
+
+def test_one_name_per_job_in_the_namespace_of_the_host_actors() -> None:
+    assert controller_name(job_ref("tiny-ppo")) == "controller/default/tiny-ppo"
+    assert controller_name(job_ref("team-a/tiny-ppo")) == "controller/team-a/tiny-ppo"
+    assert job_ref("tiny-ppo", "team-a") == job_ref("team-a/tiny-ppo") == JobRef("team-a", "tiny-ppo")
+    assert RAY_NAMESPACE == NAMESPACE == "hybridflow"
+
+
+@pytest.mark.parametrize(("job", "namespace", "says"), [
+    ("a/b/c", None, "job 'a/b/c': expected NAME or NAMESPACE/NAME"),
+    ("/x", None, "expected NAME or NAMESPACE/NAME"),
+    ("team-a/x", "team-b", "job 'team-a/x' names namespace 'team-a', but namespace 'team-b' was given"),
+])
+def test_bad_job_references_say_why(job: str, namespace: str | None, says: str) -> None:
+    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        job_ref(job, namespace)
+
+
+def test_the_store_keeps_one_target_per_group_and_can_be_put_back(tmp_path: Path) -> None:
+    store = TargetStore(tmp_path / "ckpt" / "control.json")
+    assert store.targets() == {}
+    empty = store.record("reward", [], 1, 3, "slow scoring")
+    store.record("critic", [], 1, 2, "values")
+    before = store.record("reference", ["actor_rollout"], 1, 2, "")
+    store.record("actor_rollout", ["reference"], 2, 4, "grow")
+    assert store.targets() == {"reward": 3, "critic": 2, "actor_rollout": 4}
+    assert [h["node"] for h in store.read()["history"]] == ["reward", "critic", "reference", "actor_rollout"]
+    store.write(before)
+    assert store.targets() == {"reward": 3, "critic": 2}
+    store.write(empty)
+    assert json.loads((tmp_path / "ckpt" / "control.json").read_text())["targets"] == {}
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["control.json"], "a temporary file was left"
+    store.clear()
+    assert store.read() == {"targets": {}, "history": []}
+
+
+def test_status_text_shows_step_nodes_edges_and_the_last_decisions() -> None:
+    status = {
+        "job": "default/tiny", "step": 3, "total_steps": 10,
+        "nodes": {
+            "actor_rollout": {"parallelism": 1, "planned_parallelism": 1, "queue_len": 0, "group": "actor_rollout"},
+            "reward": {"parallelism": 2, "planned_parallelism": 1, "queue_len": 1, "group": "reward"},
+        },
+        "edges": {"actor_rollout->reward": {"queue_len": 1, "high_watermark": 4,
+                                            "latency": {"count": 7, "mean_s": 0.25, "p95_s": 0.5, "max_s": 0.6}}},
+        "decisions": [f"decision {i}" for i in range(12)],
+        "manual": {"targets": {"reward": 2}, "history": []},
+    }
+    text = render_status(status).splitlines()
+    assert text[0] == "job default/tiny  step 3/10"
+    assert text[2].split() == ["NODE", "PARALLELISM", "PLANNED", "QUEUE", "GROUP"]
+    assert text[4].split() == ["reward", "2", "1", "1", "reward", "(manual", "2)"]
+    assert text[6] == "  actor_rollout->reward  queue 1/4  transfers 7  latency mean 0.250s p95 0.500s"
+    assert text[7] == "decisions (last 10 of 12):"
+    assert text[8:] == [f"  decision {i}" for i in range(2, 12)]
+
+
+def test_importing_hybridflow_and_its_ctl_command_loads_no_ray() -> None:
+    code = ("import sys, hybridflow, hybridflow.cli\nhybridflow.cli.build_parser()\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
