@@ -26,6 +26,7 @@ from hybridflow.scheduler import HybridScheduler
 from hybridflow.scheduler.group import HostGroup
 from hybridflow.scheduler.placement import pin_to_pools
 from hybridflow.step import PhaseResult, UpdateResult, run_step, step_record
+from hybridflow.telemetry import StepExporter
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.host import WorkerHost
 
@@ -62,6 +63,7 @@ class Trainer:
                        else algos.FixedKLController(kl.coef))
         self.metrics = MetricsLog(metrics_out)
         self.reporter = ProgressReporter.from_env()
+        self.telemetry = StepExporter(self.job.metadata.name)
         self.step = 0
         self.last_checkpoint: str | None = None
         self.latest: dict[str, Any] = {}
@@ -78,7 +80,7 @@ class Trainer:
 
         def host_kwargs(group, instance: int) -> dict[str, Any]:
             return {"spec": spec_json, "roles": {n.name: n.role for n in group.nodes}, "instance": instance,
-                    "seed": seed, "use_gpu": use_gpu}
+                    "seed": seed, "use_gpu": use_gpu, "job": self.job.metadata.name}
 
         self.scheduler.start(WorkerHost, host_kwargs)
         self.started = True
@@ -112,6 +114,7 @@ class Trainer:
             first_reward = record["reward_mean"] if first_reward is None else first_reward
             self.latest = {k: record[k] for k in ("reward_mean", "kl", "tokens_per_s") if k in record}
             self.metrics.write(record)
+            self.telemetry.export(record, self.scheduler)
             self._maybe_checkpoint()
             if self.reporter:
                 self.reporter.report(self.step, total, record, self.last_checkpoint, force=self.step == total)
@@ -165,6 +168,9 @@ class Trainer:
                 self.scheduler.channel(r.edge).put(self.groups[r.node.name].next("run", done[0], r.step.name))
                 sent[r.edge].append(chunk_of[done[0]])
         parts: list[RolloutBatch] = ray.get(gen_refs)
+        for r in self.plan.remote:
+            for i in sent[r.edge]:
+                self.scheduler.channel(r.edge).record_bytes(parts[i].nbytes())
         self._observe()
         busy: dict[str, float] = {}
         for (host, _), part in zip(dealt, parts, strict=True):

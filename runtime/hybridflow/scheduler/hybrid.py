@@ -45,6 +45,7 @@ from hybridflow.scheduler.placement import (
     scale,
     stages_of,
 )
+from hybridflow.telemetry import DecisionKind, count_decision
 
 log = logging.getLogger("hybridflow.scheduler")
 
@@ -175,7 +176,7 @@ class HybridScheduler:
         pgs: list[PlacementGroup] = []
         try:
             for p in plans:
-                self._decide(f"Scheduling decision: placement group {p.describe()}")
+                self._decide(f"Scheduling decision: placement group {p.describe()}", "placement")
                 pgs.append(placement_group([dict(p.bundle)] * p.parallelism, strategy=p.strategy,
                                            name=self._pg_name(p.name)))
         except BaseException:
@@ -241,18 +242,19 @@ class HybridScheduler:
         if len(g.plan.node_names) > 1:
             for i in indices:
                 names = " and ".join(f"{n}_{i}" for n in g.plan.node_names)
-                self._decide(f"Scheduling decision: co-located {names} on node {g.slots[i].info.get('node_id')}")
+                self._decide(f"Scheduling decision: co-located {names} on node {g.slots[i].info.get('node_id')}",
+                             "colocation")
         if g.plan.staged:
             placed = [(s.info.get("node_id", ""), list(s.info.get("gpu_ids", []))) for s in g.slots[: g.active]]
             stages = stages_of(placed)
             for st in stages:
                 members = ", ".join(f"{g.plan.name}_{i}" for i in st.instances)
                 self._decide(f"Scheduling decision: stage {st.index} of {g.plan.name}: {members} "
-                             f"on node {st.node_id} (GPU ids {list(st.gpu_ids)})")
+                             f"on node {st.node_id} (GPU ids {list(st.gpu_ids)})", "stage")
             sizes = tuple(len(st.instances) for st in stages)
             if g.active == g.plan.parallelism and sorted(sizes) != sorted(g.plan.planned_stages):
                 self._decide(f"Scheduling decision: {g.plan.name} landed in stages {list(sizes)}, "
-                             f"planned {list(g.plan.planned_stages)}")
+                             f"planned {list(g.plan.planned_stages)}", "stage")
 
     # -- distributed ranks -----------------------------------------------------------------------
 
@@ -275,7 +277,7 @@ class HybridScheduler:
                 calls.append((f"{g.plan.name} rank {rank}",
                               h.setup_distributed.remote(ip, port, rank, len(hosts), DIST_BACKEND)))
             self._decide(f"Scheduling decision: data-parallel {g.plan.name}: world size {len(hosts)}, "
-                         f"master {ip}:{port}, backend {DIST_BACKEND}")
+                         f"master {ip}:{port}, backend {DIST_BACKEND}", "distributed")
         if not calls:
             return
         refs = [r for _, r in calls]
@@ -363,7 +365,8 @@ class HybridScheduler:
             self._lower(g, target)
         elif not self._raise(g, target, node_name, reason):
             return old
-        self._decide(f"Backpressure: {node_name} parallelism {old} -> {target} ({reason}){with_}")
+        self._decide(f"Backpressure: {node_name} parallelism {old} -> {target} ({reason}){with_}",
+                     "backpressure_up" if target > old else "backpressure_down")
         if target > old:
             self._log_placement(g, range(old, target))
         if g.plan.data_parallel:
@@ -392,14 +395,15 @@ class HybridScheduler:
             if not fits(demand, available):
                 why = describe_missing(demand, real_resources(ray.cluster_resources()), available)
                 self._decide(f"Backpressure: cannot raise {node_name} parallelism {g.active} -> {target}: "
-                             f"{why} ({reason})")
+                             f"{why} ({reason})", "backpressure_refused")
                 return False
             pg = placement_group([dict(g.plan.bundle)] * need, strategy="PACK", name=self._pg_name(g.plan.name))
             ready, _ = ray.wait([pg.ready()], timeout=self.adjust_timeout_s)
             if not ready:
                 remove_placement_group(pg)
                 self._decide(f"Backpressure: cannot raise {node_name} parallelism {g.active} -> {target}: "
-                             f"{need} more bundles not placed within {self.adjust_timeout_s:g}s ({reason})")
+                             f"{need} more bundles not placed within {self.adjust_timeout_s:g}s ({reason})",
+                             "backpressure_refused")
                 return False
             g.pgs.append(pg)
             g.slots += [_Slot(pg, i, extra=True) for i in order_bundles_by_node(self._bundle_nodes(pg))]
@@ -512,6 +516,7 @@ class HybridScheduler:
         table = placement_group_table(pg)
         return {int(k): str(v) for k, v in table.get("bundles_to_node_id", {}).items()}
 
-    def _decide(self, message: str) -> None:
+    def _decide(self, message: str, kind: DecisionKind) -> None:
         self.decisions.append(message)
         log.info("%s", message)
+        count_decision(self.name_prefix, kind)
