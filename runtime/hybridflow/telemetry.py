@@ -17,16 +17,16 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import ray
-from ray.util.metrics import Counter, Gauge, Histogram
-
 if TYPE_CHECKING:
+    from ray.util.metrics import Counter, Gauge, Histogram
+
     from hybridflow.scheduler.hybrid import HybridScheduler
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ class _Metrics:
 @functools.cache
 def _metrics() -> _Metrics:
     """The metric objects of this process, made on first use (Ray must be initialized by then)."""
+    from ray.util.metrics import Counter, Gauge, Histogram
+
     job = (JOB_LABEL,)
     return _Metrics(
         steps=Counter(f"{PREFIX}steps_total", "Training steps completed by this controller process.", job),
@@ -121,8 +123,10 @@ def _metrics() -> _Metrics:
 
 
 def enabled() -> bool:
-    """Ray is up in this process and metrics are not turned off (HYBRIDFLOW_METRICS=0)."""
-    return os.environ.get(ENABLED_ENV, "1") != "0" and ray.is_initialized()
+    """Ray is up in this process and metrics are not turned off (HYBRIDFLOW_METRICS=0); a process that never
+    imported Ray (a host used directly by tests) has no metrics endpoint."""
+    ray = sys.modules.get("ray")
+    return os.environ.get(ENABLED_ENV, "1") != "0" and ray is not None and bool(ray.is_initialized())
 
 
 def phase_seconds(record: Mapping[str, Any]) -> dict[str, float]:
