@@ -27,6 +27,8 @@ $(HELM_BUILT):
 chart-lint: $(HELM)
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART_DIR)
 	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART_DIR) --set 'watchNamespaces={team-a,team-b}'
+	$(HELM) lint --strict --kube-version $(KUBE_VERSION) $(CHART_DIR) \
+	  --set metrics.serviceMonitor.enabled=true --set metrics.podMonitor.enabled=true
 	$(HELM) template hybridflow $(CHART_DIR) --namespace hybridflow-system --kube-version $(KUBE_VERSION) > /dev/null
 	$(HELM) template hybridflow $(CHART_DIR) --namespace hybridflow-system --kube-version $(KUBE_VERSION) \
 	  --set 'watchNamespaces={team-a,team-b}' --set crds.install=false > /dev/null

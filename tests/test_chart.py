@@ -118,7 +118,8 @@ def namespaced(helm: str) -> list[dict[str, Any]]:
 # -- lint -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sets", [[], ["watchNamespaces={a,b}"], ["crds.install=false", "crds.keep=false"]])
+@pytest.mark.parametrize("sets", [[], ["watchNamespaces={a,b}"], ["crds.install=false", "crds.keep=false"],
+                                  ["metrics.serviceMonitor.enabled=true", "metrics.podMonitor.enabled=true"]])
 def test_helm_lint(helm: str, sets: list[str]) -> None:
     args = ["lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION]
     for s in sets:
@@ -156,7 +157,8 @@ def test_operator_command_is_standalone_with_a_liveness_endpoint(default: list[d
     assert c["image"] == "docker.io/hybridflow/operator:0.1.0"
     assert c["command"] == ["python", "-m", "hybridflow_operator"]
     assert c["args"] == ["--standalone", "--liveness=http://0.0.0.0:8080/healthz"]
-    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"},
+                          {"name": "metrics", "containerPort": 8081, "protocol": "TCP"}]
     for probe in ("livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
     assert c["livenessProbe"]["failureThreshold"] >= 3
@@ -320,6 +322,63 @@ def test_every_object_is_labelled(default: list[dict[str, Any]], namespaced: lis
         labels = doc["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == RELEASE, doc["kind"]
         assert labels["app.kubernetes.io/managed-by"] == "Helm", doc["kind"]
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+
+
+def test_operator_metrics_have_a_service_and_no_prometheus_operator_objects_by_default(
+        default: list[dict[str, Any]]) -> None:
+    assert env(default)["HYBRIDFLOW_METRICS_PORT"] == "8081"
+    service = one(default, "Service", f"{RELEASE}-metrics")
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 8081, "targetPort": "metrics", "protocol": "TCP"}]
+    pod_labels = one(default, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert by_kind(default, "ServiceMonitor") == [] and by_kind(default, "PodMonitor") == []
+
+
+def test_metrics_port_zero_serves_none(helm: str) -> None:
+    docs = render(helm, "metrics.port=0")
+    assert by_kind(docs, "Service") == []
+    assert [p["name"] for p in container(docs)["ports"]] == ["health"]
+    assert env(docs)["HYBRIDFLOW_METRICS_PORT"] == "0"
+
+
+def test_service_monitor_scrapes_the_metrics_service(helm: str) -> None:
+    docs = render(helm, "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=prom")
+    monitor = one(docs, "ServiceMonitor")
+    service = one(docs, "Service", f"{RELEASE}-metrics")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+
+
+def test_pod_monitor_scrapes_every_jobs_ray_pods_under_hybridflow_names(helm: str) -> None:
+    from hybridflow import telemetry
+    from hybridflow.k8s.names import JOB_LABEL
+
+    monitor = one(render(helm, "metrics.podMonitor.enabled=true"), "PodMonitor")
+    assert monitor["spec"]["selector"] == {"matchExpressions": [{"key": JOB_LABEL, "operator": "Exists"}]}
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics"  # the port KubeRay adds to every Ray container (8080)
+    (rename,) = endpoint["metricRelabelings"]
+    assert rename["regex"] == f"{telemetry.RAY_PREFIX}({telemetry.PREFIX}.*)" and rename["replacement"] == "$1"
+    namespaced = one(render(helm, "metrics.podMonitor.enabled=true", "watchNamespaces={a,b}"), "PodMonitor")
+    assert namespaced["spec"]["namespaceSelector"] == {"matchNames": ["a", "b"]}
+
+
+def test_grafana_dashboard_ships_in_a_sidecar_configmap(default: list[dict[str, Any]], helm: str) -> None:
+    cm = one(default, "ConfigMap", f"{RELEASE}-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads(cm["data"]["hybridflow.json"])
+    assert shipped == json.loads((CHART / "dashboards" / "hybridflow.json").read_text())
+    exprs = [t["expr"] for p in shipped["panels"] for t in p.get("targets", [])]
+    assert exprs and all("hybridflow_" in e for e in exprs)
+    moved = one(render(helm, "metrics.dashboard.namespace=grafana"), "ConfigMap", f"{RELEASE}-dashboard")
+    assert moved["metadata"]["namespace"] == "grafana"
+    assert by_kind(render(helm, "metrics.dashboard.enabled=false"), "ConfigMap") == []
 
 
 # -- against a real API server ----------------------------------------------------------------------

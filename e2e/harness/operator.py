@@ -17,20 +17,25 @@ BIND_ATTEMPTS = 5  # the liveness port is picked, then bound by the operator: th
 
 
 class OperatorProcess:
-    """`python -m hybridflow_operator` with its liveness endpoint on a free loopback port and its output
-    appended to `log_path`; subclasses change `argv()` or hook into `start`/`stop`."""
+    """`python -m hybridflow_operator` with its liveness and metrics endpoints on free loopback ports and its
+    output appended to `log_path`; subclasses change `argv()` or hook into `start`/`stop`."""
 
     def __init__(self, log_path: Path, env: Mapping[str, str], cwd: Path = ROOT) -> None:
         self.log_path = log_path
         self.env = dict(env)
         self.cwd = cwd
         self.port = free_port()
+        self.metrics_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
     @property
     def liveness(self) -> str:
         return f"http://127.0.0.1:{self.port}/healthz"
+
+    @property
+    def metrics(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "hybridflow_operator", "--liveness", self.liveness]
@@ -43,7 +48,8 @@ class OperatorProcess:
                 out.write(f"\n===== start {self.starts + 1} =====\n".encode())
                 out.flush()
                 offset = out.tell()
-                self.proc = subprocess.Popen(self.argv(), env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                env = {**self.env, "HYBRIDFLOW_METRICS_PORT": str(self.metrics_port)}
+                self.proc = subprocess.Popen(self.argv(), env=env, stdout=out, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, cwd=self.cwd, start_new_session=True)
             self.starts += 1
             deadline = time.monotonic() + timeout
@@ -51,7 +57,7 @@ class OperatorProcess:
                 if not self.alive():
                     since = self.log_path.read_bytes()[offset:].decode(errors="replace")
                     if attempt < BIND_ATTEMPTS and PORT_TAKEN.search(since):
-                        self.port = free_port()
+                        self.port, self.metrics_port = free_port(), free_port()
                         break
                     raise StartupError(f"the operator exited before {self.liveness} answered: {self.describe()}")
                 if time.monotonic() > deadline:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what a real kubelet node and the image builds need, from Debian: containerd, runc, the CNI
 # plugins, iptables, nftables and conntrack (kube-proxy; teardown), busybox-static (the pause image), debootstrap, buildah,
-# umoci and skopeo (images without a Docker engine).
+# umoci and skopeo (images without a Docker engine); prometheus, the server e2e/test_prometheus.py scrapes
+# a live run and the operator with.
 #
 #   sudo e2e/toolchain/install-node-packages.sh        (idempotent: seconds when all are present)
 #
@@ -9,7 +10,7 @@
 set -euo pipefail
 
 PACKAGES=(containerd runc containernetworking-plugins iptables conntrack busybox-static
-          debootstrap buildah umoci skopeo fuse-overlayfs nftables)
+          debootstrap buildah umoci skopeo fuse-overlayfs nftables prometheus)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -27,7 +28,7 @@ if [[ $(id -u) -ne 0 ]]; then
 fi
 start=$SECONDS
 export DEBIAN_FRONTEND=noninteractive
-# A package's maintainer script must not start a system containerd next to the harness's own.
+# A package's maintainer script must not start a system containerd (or Prometheus) next to the harness's own.
 policy=/usr/sbin/policy-rc.d
 created_policy=0
 if [[ ! -e $policy ]]; then

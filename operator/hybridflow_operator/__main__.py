@@ -19,6 +19,7 @@ import kopf
 import uvloop
 
 from hybridflow_operator import lifecycle
+from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.settings import SettingsError, from_env
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
@@ -30,6 +31,7 @@ FLAG_ENV = {
     "gpu_products": "HYBRIDFLOW_GPU_PRODUCTS",
     "runtime_image": "HYBRIDFLOW_RUNTIME_IMAGE",
     "status_interval": "HYBRIDFLOW_STATUS_INTERVAL",
+    "metrics_port": "HYBRIDFLOW_METRICS_PORT",
 }
 
 
@@ -41,6 +43,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--gpu-products", help="JSON/YAML mapping gpuType -> nvidia.com/gpu.product values")
     p.add_argument("--runtime-image", help="image of the Ray pods when spec.cluster.image is empty")
     p.add_argument("--status-interval", help="seconds between safety-net resyncs")
+    p.add_argument("--metrics-port", help="port of the Prometheus /metrics endpoint (default 8081; 0 disables)")
     p.add_argument("--standalone", action="store_true",
                    help="accepted for clarity: the operator always runs standalone (one replica, no peering)")
     p.add_argument("--liveness", default=os.environ.get("HYBRIDFLOW_LIVENESS", DEFAULT_LIVENESS),
@@ -71,11 +74,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     kopf.configure(debug=settings.log_level == "DEBUG")
     logging.getLogger().setLevel(settings.log_level_number)
+    metrics = OperatorMetrics()
+    if settings.metrics_port:
+        try:
+            metrics.serve(settings.metrics_port)
+        except OSError as e:
+            print(f"hybridflow-operator: cannot serve /metrics on port {settings.metrics_port}: {e}", file=sys.stderr)
+            return 2
     tune_gc()
 
     operator = kopf.operator(
         registry=lifecycle.registry(),
-        memo=kopf.Memo(settings=settings),
+        memo=kopf.Memo(settings=settings, metrics=metrics),
         clusterwide=settings.clusterwide,
         namespaces=settings.watch_namespaces,
         liveness_endpoint=args.liveness or None,

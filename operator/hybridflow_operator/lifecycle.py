@@ -21,6 +21,7 @@ import kopf
 
 from hybridflow_operator.events import EventPoster
 from hybridflow_operator.machinery.client import Kube, load_configuration
+from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.reconciler import Reconciler
 from hybridflow_operator.settings import OperatorSettings
 from hybridflow_operator.watches import informers
@@ -41,9 +42,12 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     """Build the reconciler and start its informers and resync on kopf's event loop."""
     ours: OperatorSettings = memo.settings
     settings.scanning.disabled = True  # no resource handlers: no CRD or namespace watch either
-    kube = Kube(load_configuration(), ours.max_requests)
+    metrics: OperatorMetrics = memo.get("metrics") or OperatorMetrics()
+    kube = Kube(load_configuration(), ours.max_requests, on_request=metrics.request)
     memo.events = events = EventPoster(kube, ours.event_level_number)
-    reconciler = Reconciler(kube, ours, events)
+    reconciler = Reconciler(kube, ours, events, metrics)
+    metrics.observe(lambda: reconciler.queue.depth,
+                    lambda: [job.status for job in list(reconciler.observed.jobs.values())])
     loop = asyncio.get_running_loop()
     memo.reconciler = reconciler
     memo.tasks = [loop.create_task(reconciler.resync_forever(), name="resync")]

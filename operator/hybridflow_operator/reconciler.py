@@ -34,6 +34,7 @@ from hybridflow_operator.apply import (
 from hybridflow_operator.machinery.client import ApiException, Kube, api_message, namespace_terminating
 from hybridflow_operator.machinery.ratelimit import TokenBucket
 from hybridflow_operator.machinery.workqueue import WorkQueue
+from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.observed import JobView, Key, Observed, Revision
 from hybridflow_operator.settings import OperatorSettings
 from hybridflow_operator.status import INITIALIZING, TERMINAL, reported, status_changed, transitions
@@ -57,14 +58,16 @@ class Stalled:
 class Reconciler:
     """Applies each job's spec and keeps its status true; see the module docstring."""
 
-    def __init__(self, kube: Kube, settings: OperatorSettings, post_event: PostEvent) -> None:
+    def __init__(self, kube: Kube, settings: OperatorSettings, post_event: PostEvent,
+                 metrics: OperatorMetrics | None = None) -> None:
         self.kube = kube
         self.settings = settings
         self.post_event = post_event
+        self.metrics = metrics
         self.status_writes = TokenBucket(settings.status_writes_per_s, burst=max(1.0, settings.status_writes_per_s))
         self.observed = Observed()
         self.queue: WorkQueue[Key] = WorkQueue(self.process, min_interval=settings.status_min_interval,
-                                               error_delay=RETRY_DELAY_S)
+                                               error_delay=RETRY_DELAY_S, observer=metrics)
         self._applied: dict[Key, Revision] = {}  # what this process has applied
         self._stalled: dict[Key, Stalled] = {}
         self._recheck: set[Key] = set()  # read the job again before acting: its RayJob vanished
@@ -190,6 +193,7 @@ class Reconciler:
             try:
                 updated = await write_status(self.kube, job, patch)
             except ApiException as e:
+                self._count_write({404: "gone", 409: "conflict"}.get(e.status or 0, "error"))
                 if e.status == 404:
                     return
                 if e.status != 409:
@@ -200,12 +204,17 @@ class Reconciler:
                 self.observed.job(JobView.parse(current))
                 job = self.observed.jobs[key]
                 continue
+            self._count_write("written")
             self.observed.job(JobView.parse(updated))
             self._post_reports(key, job)
             for event_type, reason, message in transitions(before, updated.get("status") or {}):
                 self.post_event(job.event_ref, event_type, reason, message)
             return
         raise ApiException(status=409, reason=f"status of {key[0]}/{key[1]} kept changing under the operator")
+
+    def _count_write(self, result: str) -> None:
+        if self.metrics is not None:
+            self.metrics.status_write(result)
 
     def _post_reports(self, key: Key, job: JobView) -> None:
         for event_type, reason, message in self._reports.pop(key, ()):

@@ -39,6 +39,8 @@ class OperatorSettings:
     max_requests: int = 32
     """API requests in flight at once; more wait for a slot instead of crowding the API server, each job's
     ServiceAccount and RayJob ahead of the rest."""
+    metrics_port: int = 8081
+    """Port of the Prometheus `/metrics` endpoint; 0 serves none."""
 
     @property
     def clusterwide(self) -> bool:
@@ -75,6 +77,16 @@ def _positive_float(name: str, value: str) -> float:
     return number
 
 
+def _port(name: str, value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise SettingsError(f"{name} must be a port number, got {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise SettingsError(f"{name} must be a port number (0 for none), got {value!r}")
+    return port
+
+
 def from_env(environ: Mapping[str, str], **overrides: object) -> OperatorSettings:
     """Settings from HYBRIDFLOW_* variables; keyword overrides (from flags) win when not None."""
     values: dict[str, object] = {}
@@ -98,6 +110,8 @@ def from_env(environ: Mapping[str, str], **overrides: object) -> OperatorSetting
         values["spin_up_jobs"] = max(1, int(_positive_float(f"{ENV_PREFIX}SPIN_UP_JOBS", env["SPIN_UP_JOBS"])))
     if env.get("MAX_REQUESTS"):
         values["max_requests"] = max(1, int(_positive_float(f"{ENV_PREFIX}MAX_REQUESTS", env["MAX_REQUESTS"])))
+    if env.get("METRICS_PORT"):
+        values["metrics_port"] = _port(f"{ENV_PREFIX}METRICS_PORT", env["METRICS_PORT"])
     values.update({k: v for k, v in overrides.items() if v is not None})
     settings = OperatorSettings(**values)  # type: ignore[arg-type]
     for level in (settings.log_level, settings.event_level):

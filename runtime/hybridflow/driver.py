@@ -22,13 +22,22 @@ class TrainingFailed(RuntimeError):
     """The run could not finish; the message says why (no traceback for the user)."""
 
 
-def init_ray(local: bool, num_cpus: int | None = None) -> None:
-    """Local runs start Ray in-process with enough logical CPUs for every role; cluster runs join it."""
+METRICS_PORT_ENV = "HYBRIDFLOW_METRICS_PORT"
+
+
+def init_ray(local: bool, num_cpus: int | None = None, metrics_port: int | None = None) -> None:
+    """Local runs start Ray in-process with enough logical CPUs for every role; cluster runs join it.
+
+    A local run serves its Prometheus metrics (hybridflow.telemetry) on `metrics_port`, or on
+    $HYBRIDFLOW_METRICS_PORT, else on a port Ray picks; in a cluster each Ray node serves its own.
+    """
     if ray.is_initialized():
         return
     if local:
         cpus = num_cpus or max(8, os.cpu_count() or 1)
+        port = metrics_port or int(os.environ.get(METRICS_PORT_ENV) or 0) or None
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
+                 _metrics_export_port=port,
                  runtime_env={"env_vars": {"HYBRIDFLOW_TORCH_THREADS": os.environ.get("HYBRIDFLOW_TORCH_THREADS", "1"),
                                            "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     else:

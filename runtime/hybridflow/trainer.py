@@ -30,6 +30,7 @@ from hybridflow.scheduler import HybridScheduler
 from hybridflow.scheduler.group import HostGroup
 from hybridflow.scheduler.placement import pin_to_pools
 from hybridflow.step import PhaseResult, UpdateResult, run_step, step_record
+from hybridflow.telemetry import StepExporter
 from hybridflow.trackers import TRACKERS, TrackerSet, TrackerUnavailable, missing_extras, open_trackers
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.host import WorkerHost
@@ -72,6 +73,7 @@ class Trainer:
         self.metrics = MetricsLog(metrics_out if "jsonl" in self.spec.trainer.loggers.backends else None)
         self.trackers = TrackerSet({})
         self.reporter = ProgressReporter.from_env()
+        self.telemetry = StepExporter(self.job.metadata.name)
         self.step = 0
         self.last_checkpoint: str | None = None
         self.owner: str | None = None
@@ -93,7 +95,7 @@ class Trainer:
 
         def host_kwargs(group, instance: int) -> dict[str, Any]:
             return {"spec": spec_json, "roles": {n.name: n.role for n in group.nodes}, "instance": instance,
-                    "seed": seed, "use_gpu": use_gpu}
+                    "seed": seed, "use_gpu": use_gpu, "job": self.job.metadata.name}
 
         self.scheduler.start(WorkerHost, host_kwargs)
         if self.spec.trainer.checkpoint.every:
@@ -180,6 +182,7 @@ class Trainer:
             self._check_owner()
             self.metrics.write(record)
             self.trackers.log_record(record)
+            self.telemetry.export(record, self.scheduler)
             self._maybe_checkpoint()
             if self.reporter:
                 self.reporter.report(self.step, total, record, self.last_checkpoint, force=self.step == total)
@@ -226,6 +229,9 @@ class Trainer:
                 self.scheduler.channel(r.edge).put(self.groups[r.node.name].next("run", done[0], r.step.name))
                 sent[r.edge].append(chunk_of[done[0]])
         parts: list[RolloutBatch] = ray.get(gen_refs)
+        for r in self.plan.remote:
+            for i in sent[r.edge]:
+                self.scheduler.channel(r.edge).record_bytes(parts[i].nbytes())
         self._observe()
         busy: dict[str, float] = {}
         for (host, _), part in zip(dealt, parts, strict=True):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -38,6 +38,8 @@ JSON_PATCH = "application/json-patch+json"
 FIELD_MANAGER = "hybridflow-operator"
 TIMEOUT_S = 30
 WATCH_SILENCE_S = 120  # a watch asks for bookmarks, which the API server sends about once a minute
+RequestHook = Callable[[str, int | None], None]
+"""Told of every request: its verb (get, list, watch, create, patch) and HTTP status, None without an answer."""
 
 __all__ = ["ApiException", "Kube", "load_configuration", "namespace_terminating"]
 
@@ -123,8 +125,10 @@ class Kube:
     outside that limit.
     """
 
-    def __init__(self, configuration: client.Configuration, max_connections: int = 32) -> None:
+    def __init__(self, configuration: client.Configuration, max_connections: int = 32,
+                 on_request: RequestHook | None = None) -> None:
         self.configuration = configuration
+        self.on_request = on_request
         self.slots = PrioritySlots(max_connections)
         self._session: aiohttp.ClientSession | None = None
         self._watch_session: aiohttp.ClientSession | None = None
@@ -156,7 +160,7 @@ class Kube:
     async def get(self, api_version: str, kind: str, namespace: str, name: str, *,
                   urgent: bool = False) -> dict | None:
         try:
-            return await self._call("GET", _path(api_version, kind, namespace, name), urgent=urgent)
+            return await self._call("GET", _path(api_version, kind, namespace, name), verb="get", urgent=urgent)
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -165,42 +169,64 @@ class Kube:
     async def create(self, obj: Mapping[str, Any], *, urgent: bool = False) -> dict:
         meta = obj["metadata"]
         return await self._call("POST", _path(obj["apiVersion"], obj["kind"], meta["namespace"]), body=obj,
-                                params={"fieldManager": FIELD_MANAGER}, urgent=urgent)
+                                params={"fieldManager": FIELD_MANAGER}, verb="create", urgent=urgent)
 
     async def patch(self, api_version: str, kind: str, namespace: str, name: str, body: Any, *,
                     json_patch: bool = False, status: bool = False) -> dict:
         return await self._call("PATCH", _path(api_version, kind, namespace, name, "status" if status else None),
                                 body=body, content_type=JSON_PATCH if json_patch else MERGE,
-                                params={"fieldManager": FIELD_MANAGER})
+                                params={"fieldManager": FIELD_MANAGER}, verb="patch")
 
     async def list_page(self, path: str, params: Mapping[str, str]) -> dict:
         """One page of a LIST by path (`/api/v1/pods`), as the API server sends it: items, metadata."""
-        return await self._call("GET", path, params=params)
+        return await self._call("GET", path, params=params, verb="list")
 
     async def watch(self, path: str, params: Mapping[str, str]) -> AsyncIterator[dict]:
         """The events of a WATCH by path, decoded, until the server ends the stream; ApiException if refused."""
-        async with self.watch_session.get(path.lstrip("/"), params={**params, "watch": "true"},
-                                          headers=self._headers("application/json")) as response:
-            if response.status != 200:
-                raise _refusal(response, await response.read())
-            lines = JsonLines()
-            async for chunk in response.content.iter_any():
-                for event in lines.feed(chunk):
-                    yield event
+        answered = False
+        try:
+            async with self.watch_session.get(path.lstrip("/"), params={**params, "watch": "true"},
+                                              headers=self._headers("application/json")) as response:
+                answered = True
+                self._told("watch", response.status)
+                if response.status != 200:
+                    raise _refusal(response, await response.read())
+                lines = JsonLines()
+                async for chunk in response.content.iter_any():
+                    for event in lines.feed(chunk):
+                        yield event
+        except (aiohttp.ClientError, TimeoutError):
+            if not answered:
+                self._told("watch", None)
+            raise
 
     async def version(self) -> dict:
         """The API server's version: a cheap request every authenticated client may make."""
-        return await self._call("GET", "/version")
+        return await self._call("GET", "/version", verb="get")
 
-    async def _call(self, method: str, path: str, *, body: Any = None, content_type: str = "application/json",
-                    params: Mapping[str, str] | None = None, urgent: bool = False) -> dict:
+    async def _call(self, method: str, path: str, *, verb: str, body: Any = None,
+                    content_type: str = "application/json", params: Mapping[str, str] | None = None,
+                    urgent: bool = False) -> dict:
         payload = None if body is None else orjson.dumps(body)
-        async with self.slots.slot(urgent), self.session.request(
-                method, path.lstrip("/"), data=payload, headers=self._headers(content_type), params=params) as response:
-            data = await response.read()
-            if not 200 <= response.status <= 299:
-                raise _refusal(response, data)
+        answered = False
+        try:
+            async with self.slots.slot(urgent), self.session.request(
+                    method, path.lstrip("/"), data=payload, headers=self._headers(content_type),
+                    params=params) as response:
+                answered = True
+                self._told(verb, response.status)
+                data = await response.read()
+                if not 200 <= response.status <= 299:
+                    raise _refusal(response, data)
+        except (aiohttp.ClientError, TimeoutError):
+            if not answered:
+                self._told(verb, None)
+            raise
         return orjson.loads(data) if data else {}
+
+    def _told(self, verb: str, code: int | None) -> None:
+        if self.on_request is not None:
+            self.on_request(verb, code)
 
     def _headers(self, content_type: str) -> dict[str, str]:
         headers = {"Accept": "application/json", "Content-Type": content_type}

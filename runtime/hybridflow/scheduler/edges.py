@@ -39,6 +39,12 @@ class LatencyStats:
         self.max_s = max(self.max_s, seconds)
         self._recent.append(seconds)
 
+    def since(self, count: int) -> list[float]:
+        """The samples added after the first `count` (at most the window's), oldest first: what an exporter
+        that saw `count` of them has not seen yet."""
+        new = min(self.count - count, len(self._recent))
+        return list(self._recent)[-new:] if new > 0 else []
+
     @property
     def mean_s(self) -> float:
         return self.total_s / self.count if self.count else 0.0
@@ -76,16 +82,28 @@ class EdgeChannel:
         """Puts larger than the edge's max_size_bytes: a hint that data meant to stay local does not."""
         self._clock = clock
         self._items: list[_Item] = []
+        self._peak = 0
 
     def put(self, ref: ray.ObjectRef, size_bytes: int | None = None) -> None:
         self._items.append(_Item(ref, self._clock(), size_bytes))
+        self._peak = max(self._peak, len(self._items))
         if size_bytes is not None:
-            self.bytes_total += size_bytes
-            if self.max_size_bytes is not None and size_bytes > self.max_size_bytes:
-                self.oversize += 1
+            self.record_bytes(size_bytes)
+
+    def record_bytes(self, size_bytes: int) -> None:
+        """Count a payload sent on the edge, when its size is known only after the put."""
+        self.bytes_total += size_bytes
+        if self.max_size_bytes is not None and size_bytes > self.max_size_bytes:
+            self.oversize += 1
 
     def pending(self) -> int:
         return len(self._items)
+
+    def take_peak(self) -> int:
+        """The longest the queue was since the last call; the queue drains within a step, so a look at
+        `pending()` between steps would always see 0."""
+        peak, self._peak = self._peak, len(self._items)
+        return peak
 
     def take_ready(self, timeout: float | None = None) -> list[Any]:
         """Values of the finished refs, in submission order.

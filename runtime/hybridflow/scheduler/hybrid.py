@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import ray
 from ray.actor import ActorHandle
@@ -46,6 +46,7 @@ from hybridflow.scheduler.placement import (
     scale,
     stages_of,
 )
+from hybridflow.telemetry import DecisionKind, count_decision
 
 log = logging.getLogger("hybridflow.scheduler")
 
@@ -69,6 +70,11 @@ class Host(Protocol):
 
 HostKwargs = Callable[[ColocationGroup, int], dict[str, Any]]
 Source = Literal["Backpressure", "Manual"]
+
+
+def _kind(source: Source, change: Literal["up", "down", "refused"]) -> DecisionKind:
+    """The metric label of a parallelism change: backpressure_up, manual_refused, ..."""
+    return cast(DecisionKind, f"{source.lower()}_{change}")
 """Who changed a parallelism: the first word of its decision."""
 
 
@@ -183,7 +189,7 @@ class HybridScheduler:
         pgs: list[PlacementGroup] = []
         try:
             for p in plans:
-                self._decide(f"Scheduling decision: placement group {p.describe()}")
+                self._decide(f"Scheduling decision: placement group {p.describe()}", "placement")
                 pgs.append(placement_group([dict(p.bundle)] * p.parallelism, strategy=p.strategy,
                                            name=self._pg_name(p.name)))
         except BaseException:
@@ -249,18 +255,19 @@ class HybridScheduler:
         if len(g.plan.node_names) > 1:
             for i in indices:
                 names = " and ".join(f"{n}_{i}" for n in g.plan.node_names)
-                self._decide(f"Scheduling decision: co-located {names} on node {g.slots[i].info.get('node_id')}")
+                self._decide(f"Scheduling decision: co-located {names} on node {g.slots[i].info.get('node_id')}",
+                             "colocation")
         if g.plan.staged:
             placed = [(s.info.get("node_id", ""), list(s.info.get("gpu_ids", []))) for s in g.slots[: g.active]]
             stages = stages_of(placed)
             for st in stages:
                 members = ", ".join(f"{g.plan.name}_{i}" for i in st.instances)
                 self._decide(f"Scheduling decision: stage {st.index} of {g.plan.name}: {members} "
-                             f"on node {st.node_id} (GPU ids {list(st.gpu_ids)})")
+                             f"on node {st.node_id} (GPU ids {list(st.gpu_ids)})", "stage")
             sizes = tuple(len(st.instances) for st in stages)
             if g.active == g.plan.parallelism and sorted(sizes) != sorted(g.plan.planned_stages):
                 self._decide(f"Scheduling decision: {g.plan.name} landed in stages {list(sizes)}, "
-                             f"planned {list(g.plan.planned_stages)}")
+                             f"planned {list(g.plan.planned_stages)}", "stage")
 
     # -- distributed ranks -----------------------------------------------------------------------
 
@@ -283,7 +290,7 @@ class HybridScheduler:
                 calls.append((f"{g.plan.name} rank {rank}",
                               h.setup_distributed.remote(ip, port, rank, len(hosts), DIST_BACKEND)))
             self._decide(f"Scheduling decision: data-parallel {g.plan.name}: world size {len(hosts)}, "
-                         f"master {ip}:{port}, backend {DIST_BACKEND}")
+                         f"master {ip}:{port}, backend {DIST_BACKEND}", "distributed")
         if not calls:
             return
         refs = [r for _, r in calls]
@@ -405,7 +412,8 @@ class HybridScheduler:
             self._lower(g, target)
         elif not self._raise(g, target, node_name, reason, source):
             return old
-        self._decide(f"{source}: {node_name} parallelism {old} -> {target} ({reason}){with_}")
+        self._decide(f"{source}: {node_name} parallelism {old} -> {target} ({reason}){with_}",
+                     _kind(source, "up" if target > old else "down"))
         if source == "Manual":
             g.target = target
         if target > old:
@@ -436,14 +444,15 @@ class HybridScheduler:
             if not fits(demand, available):
                 why = describe_missing(demand, real_resources(ray.cluster_resources()), available)
                 self._decide(f"{source}: cannot raise {node_name} parallelism {g.active} -> {target}: "
-                             f"{why} ({reason})")
+                             f"{why} ({reason})", _kind(source, "refused"))
                 return False
             pg = placement_group([dict(g.plan.bundle)] * need, strategy="PACK", name=self._pg_name(g.plan.name))
             ready, _ = ray.wait([pg.ready()], timeout=self.adjust_timeout_s)
             if not ready:
                 remove_placement_group(pg)
                 self._decide(f"{source}: cannot raise {node_name} parallelism {g.active} -> {target}: "
-                             f"{need} more bundles not placed within {self.adjust_timeout_s:g}s ({reason})")
+                             f"{need} more bundles not placed within {self.adjust_timeout_s:g}s ({reason})",
+                             _kind(source, "refused"))
                 return False
             g.pgs.append(pg)
             g.slots += [_Slot(pg, i, extra=True) for i in order_bundles_by_node(self._bundle_nodes(pg))]
@@ -556,6 +565,7 @@ class HybridScheduler:
         table = placement_group_table(pg)
         return {int(k): str(v) for k, v in table.get("bundles_to_node_id", {}).items()}
 
-    def _decide(self, message: str) -> None:
+    def _decide(self, message: str, kind: DecisionKind) -> None:
         self.decisions.append(message)
         log.info("%s", message)
+        count_decision(self.name_prefix, kind)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hybridflow import telemetry
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.plan import STEPS, Phase
 from hybridflow.step import PhaseResult, StepOutput, UpdateResult, run_step
@@ -30,7 +31,7 @@ class WorkerHost:
     """Holds one worker per role; `roles` maps graph node name -> role."""
 
     def __init__(self, spec: dict[str, Any], roles: dict[str, str], instance: int, seed: int = 0,
-                 use_gpu: bool = True) -> None:
+                 use_gpu: bool = True, job: str = "") -> None:
         prepare_process()
         self.spec = RLTrainingJobSpec.model_validate(spec)
         self.roles, self.instance, self.seed = dict(roles), instance, seed
@@ -38,6 +39,7 @@ class WorkerHost:
         self._seed_everything()
         self.workers: dict[str, Any] = {}
         self._build()
+        telemetry.watch_memory(job, f"{next(iter(self.roles))}_{instance}", self.device)
 
     def _seed_everything(self) -> None:
         s = self.seed * 1000 + self.instance
