@@ -30,20 +30,8 @@ RAY_STARTS = 3
 
 
 def job_doc(steps: int, name: str) -> dict[str, Any]:
-    doc = yaml.safe_load((ROOT / "examples" / "tiny-ppo.yaml").read_text())
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-ppo-remote-reward.yaml").read_text())
     doc["metadata"]["name"] = name
-    doc["spec"]["graph"] = {
-        "nodes": [{"name": "actor_rollout", "role": "actor_rollout", "resources": {"CPU": 1}},
-                  {"name": "reference", "role": "reference"},
-                  {"name": "reward", "role": "reward", "resources": {"CPU": 1}},
-                  {"name": "critic", "role": "critic", "resources": {"CPU": 1}}],
-        "edges": [{"src": "actor_rollout", "dst": "reference", "coLocate": True},
-                  {"src": "actor_rollout", "dst": "reward"},
-                  {"src": "actor_rollout", "dst": "critic"},
-                  {"src": "critic", "dst": "actor_rollout", "control": True}],
-    }
-    doc["spec"]["data"]["batchSize"] = 64
-    doc["spec"]["scheduling"] = {"microBatchSize": 16}
     doc["spec"]["trainer"].update(totalSteps=steps, resume="never", checkpoint={"every": 0, "path": "/tmp/unused"})
     return doc
 

@@ -154,23 +154,20 @@ class JobRun:
 
     def seconds_until_step_after_rollback(self, t: float) -> float:
         """From `t` (a fault) to the first step completed after the run rolled back to its checkpoint."""
-        def resumed() -> bool:
-            back = next((r for r in self.rollbacks if r > t), None)
-            return back is not None and any(at > back for at, _ in self.steps)
-
-        self._until(lambda _: resumed(), "a rollback to the last checkpoint and a step after it")
-        back = next(r for r in self.rollbacks if r > t)
-        return next(at for at, _ in self.steps if at > back) - t
+        return self._seconds_until_step_after(self.rollbacks, t, "a rollback to the last checkpoint")
 
     def seconds_until_step_after_claim(self, t: float) -> float:
         """From `t` (a fault) to the first step completed by a controller that claimed the directory after it."""
-        def stepped() -> bool:
-            claim = next((c for c in self.claims if c > t), None)
-            return claim is not None and any(at > claim for at, _ in self.steps)
+        return self._seconds_until_step_after(self.claims, t, "a new controller's claim")
 
-        self._until(lambda _: stepped(), "a new controller's claim and a step after it")
-        claim = next(c for c in self.claims if c > t)
-        return next(at for at, _ in self.steps if at > claim) - t
+    def _seconds_until_step_after(self, events: list[float], t: float, what: str) -> float:
+        def stepped() -> bool:
+            event = next((e for e in events if e > t), None)
+            return event is not None and any(at > event for at, _ in self.steps)
+
+        self._until(lambda _: stepped(), f"{what} and a step after it")
+        event = next(e for e in events if e > t)
+        return next(at for at, _ in self.steps if at > event) - t
 
     def to_end(self) -> RunResult:
         if not self.t0:

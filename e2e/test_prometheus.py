@@ -63,19 +63,8 @@ def panel_queries() -> list[tuple[str, str]]:
 
 def training_doc(name: str, tmp_path: Path) -> dict[str, Any]:
     """The tiny PPO job with its reward on a node of its own, so a data edge goes through the object store."""
-    doc = yaml.safe_load((ROOT / "examples" / "tiny-ppo.yaml").read_text())
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-ppo-remote-reward.yaml").read_text())
     doc["metadata"]["name"] = name
-    doc["spec"]["graph"] = {
-        "nodes": [{"name": "actor_rollout", "role": "actor_rollout", "resources": {"CPU": 1}},
-                  {"name": "reference", "role": "reference"},
-                  {"name": "reward", "role": "reward", "resources": {"CPU": 1}},
-                  {"name": "critic", "role": "critic", "resources": {"CPU": 1}}],
-        "edges": [{"src": "actor_rollout", "dst": "reference", "coLocate": True},
-                  {"src": "actor_rollout", "dst": "reward"},
-                  {"src": "actor_rollout", "dst": "critic"},
-                  {"src": "critic", "dst": "actor_rollout", "control": True}],
-    }
-    doc["spec"]["data"]["batchSize"] = 64
     doc["spec"]["scheduling"] = {"microBatchSize": 8}
     doc["spec"]["trainer"].update(totalSteps=STEPS, resume="never",
                                   checkpoint={"every": 0, "path": str(tmp_path / "ckpt")})
