@@ -187,10 +187,14 @@ class TestSingleNode:
     def test_restarted_worker_rejoins_ranks(self, local_sched: HybridScheduler) -> None:
         s = local_sched
         victim = s.hosts("critic")[1]
+        name = s.get_status()["nodes"]["critic"]["workers"][1]["actor"]
         old_pid = s.get_status()["nodes"]["critic"]["workers"][1]["pid"]
+        assert s.lost_hosts(timeout=30) == []
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(victim.crash.remote(), timeout=60)
+        assert s.lost_hosts(timeout=30) == [name]  # restarted by Ray: a new process answers
         s.wait_ready(timeout=60)
+        assert s.lost_hosts(timeout=30) == []
         assert s.get_status()["nodes"]["critic"]["workers"][1]["pid"] != old_pid
         s.setup_distributed_all()
         assert ray.get([h.all_reduce_rank.remote() for h in s.hosts("critic")]) == [3.0, 3.0]

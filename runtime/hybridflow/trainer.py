@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 # errors that mean a worker process died (Ray restarts it through max_restarts)
 WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+LOST_PROBE_S = 60.0
+"""How long a host may take to answer before a failed step blames its death (Ray's node health check
+takes about 30 s to declare a vanished pod's raylet dead)."""
 
 
 class Trainer:
@@ -175,6 +178,13 @@ class Trainer:
             try:
                 record = self.train_step(self.step + 1)
             except WORKER_LOST as e:
+                self._recover(e)
+                continue
+            except ray.exceptions.RayTaskError as e:
+                lost = self.scheduler.lost_hosts(timeout=LOST_PROBE_S)
+                if not lost:
+                    raise
+                log.warning("%s failed as %s died", type(e.cause).__name__ if e.cause else "a call", ", ".join(lost))
                 self._recover(e)
                 continue
             self.step = record["step"]

@@ -499,6 +499,27 @@ class HybridScheduler:
 
     # -- recovery and teardown -------------------------------------------------------------------
 
+    def lost_hosts(self, timeout: float) -> list[str]:
+        """Hosts that died since their node info was last taken: no answer within `timeout`, or an answer
+        from another process (Ray restarted it, maybe in another pod: node id and pid both compared).
+
+        gloo and NCCL report a peer's death to the survivors as an ordinary error of the collective; this
+        tells such an error from one of the step itself.
+        """
+        slots = [s for g in self._groups.values() for s in g.slots[: g.active] if s.actor is not None]
+        refs = [s.actor.node_info.remote() for s in slots]  # type: ignore[union-attr]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        answered = set(ready)
+        lost = []
+        for s, ref in zip(slots, refs, strict=True):
+            try:
+                info = ray.get(ref) if ref in answered else None
+            except ray.exceptions.RayError:
+                info = None
+            if info is None or (info.get("node_id"), info.get("pid")) != (s.info.get("node_id"), s.info.get("pid")):
+                lost.append(s.name)
+        return lost
+
     def wait_ready(self, timeout: float) -> None:
         """Ask every host for its node info until all answer (Ray restarts dead ones up to max_restarts).
 
