@@ -1,4 +1,4 @@
-"""hybridflow run | train | validate | render | ctl."""
+"""hybridflow run | train | validate | render | ctl | dashboard."""
 
 from __future__ import annotations
 
@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridflow.control import cli as control_cli
 
     control_cli.add_parser(sub)
+    from hybridflow.dashboard import cli as dashboard_cli
+
+    dashboard_cli.add_parser(sub)
     return p
 
 
