@@ -125,6 +125,7 @@ def _summarise(result: dict[str, Any], metrics_out: str | None, seconds: float) 
         "steps": result["steps"], "wall_s": round(seconds, 1),
         "reward_start": round(first["reward_mean"], 4), "reward_end": round(end_reward, 4),
         "reward_last": round(last["reward_mean"], 4), "metrics": metrics_out, "plot": result["plot"],
+        "report": result.get("report"),
         "recoveries": result["recoveries"],
     }))
 

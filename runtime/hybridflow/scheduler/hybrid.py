@@ -64,6 +64,7 @@ class Host(Protocol):
 
     def node_info(self) -> dict[str, Any]: ...  # node_id, ip, pid, gpu_ids
     def free_port(self) -> int: ...
+    def memory(self) -> dict[str, Any]: ...  # {"kind": "gpu" or "rss", "bytes": n}; only sample_memory asks
     def setup_distributed(self, master_addr: str, master_port: int, rank: int, world_size: int,
                           backend: str) -> None: ...
 
@@ -372,6 +373,8 @@ class HybridScheduler:
         the answers for get_status; call between steps, when the hosts are idle. A host that does not answer
         in time keeps its last sample: the dashboard must never stall training."""
         slots = [s for g in self._groups.values() for s in g.slots[: g.active] if s.actor is not None]
+        if not slots:
+            return
         refs = [s.actor.memory.remote() for s in slots]  # type: ignore[union-attr]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         done = set(ready)
