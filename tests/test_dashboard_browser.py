@@ -138,8 +138,8 @@ def test_the_live_page_follows_the_running_job(run: Run, browser: Any) -> None:
         assert run.error is None, run.error
 
         # the curves agree with metrics.jsonl at the step they show
-        shown = int(tab.text("#curve-reward_mean .head").split("step ", 1)[1].split(":", 1)[0])
-        rec = next(r for r in run.records() if r["step"] == shown)
+        at_step = int(tab.text("#curve-reward_mean .head").split("step ", 1)[1].split(":", 1)[0])
+        rec = next(r for r in run.records() if r["step"] == at_step)
         value = float(tab.attrs("#curve-reward_mean .last", "data-value")[0])
         assert value == pytest.approx(rec["reward_mean"], rel=1e-12)
         assert tab.text("#curve-reward_mean .last") == shown(rec["reward_mean"], 4)
@@ -221,8 +221,8 @@ def test_the_report_shows_every_panel_with_the_runs_numbers(run: Run, browser: A
         assert len(cells) == 3, cells  # actor+reference share a process; reward; critic
         assert all(int(b) > 50 * 2**20 for b in cells), cells  # each holds torch: tens of MiB of RSS
 
-        (edge,) = tab.page.eval_on_selector_all("tr[data-edge]", "els => els.map(e => ({...e.dataset}))")
-        assert edge["edge"] == "actor_rollout->reward"
+        rows = tab.page.eval_on_selector_all("tr[data-edge]", "els => els.map(e => ({...e.dataset}))")
+        edge = next(e for e in rows if e["edge"] == "actor_rollout->reward")
         counts = tab.text('tr[data-edge="actor_rollout->reward"] td:nth-child(2)')
         assert int(counts) == STEPS  # one rollout chunk a step crosses the edge
         assert 0 < float(edge["p50"]) <= float(edge["p95"]) and int(edge["bytes"]) > 0

@@ -140,7 +140,11 @@ def test_edges_give_percentiles_and_bandwidth_over_time_in_flight() -> None:
     (e,) = edges(status())
     assert (e["p50_s"], e["p95_s"], e["count"]) == (0.4, 0.9, 3)
     assert e["bandwidth_Bps"] == pytest.approx(6000 / 1.5)
-    assert edges({"edges": {"a->b": {"latency": {"count": 0, "mean_s": 0.0}}}})[0]["bandwidth_Bps"] is None
+    assert not e["colocated"]
+    st = status()
+    st["edges"]["actor_rollout->reference"] = {"latency": {"count": 0, "mean_s": 0.0}}
+    assert [(x["key"], x["colocated"], x["bandwidth_Bps"]) for x in edges(st)][1] == (
+        "actor_rollout->reference", True, None)
 
 
 def test_decisions_come_structured_or_from_the_plain_strings() -> None:

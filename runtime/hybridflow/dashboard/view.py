@@ -146,7 +146,9 @@ def memory(status: Mapping[str, Any]) -> dict[str, Any]:
 
 def edges(status: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Each data edge's latency (submit to result, queueing included) and bandwidth: the bytes it carried
-    divided by the seconds its batches were in flight (so a lower bound on the link's speed)."""
+    divided by the seconds its batches were in flight (so a lower bound on the link's speed). A co-located
+    edge is marked: its data stays in one process and never crosses the object store."""
+    local = {f"{e['src']}->{e['dst']}" for e in status.get("graph", {}).get("edges", []) if e.get("co_locate")}
     out = []
     for key, e in status.get("edges", {}).items():
         lat = e.get("latency", {})
@@ -155,7 +157,8 @@ def edges(status: Mapping[str, Any]) -> list[dict[str, Any]]:
         out.append({"key": key, "count": count, "p50_s": lat.get("p50_s"), "p95_s": lat.get("p95_s"),
                     "mean_s": mean, "max_s": lat.get("max_s"), "bytes_total": int(e.get("bytes_total", 0)),
                     "bandwidth_Bps": e.get("bytes_total", 0) / in_flight if in_flight > 0 else None,
-                    "queue_len": e.get("queue_len", 0), "high_watermark": e.get("high_watermark")})
+                    "queue_len": e.get("queue_len", 0), "high_watermark": e.get("high_watermark"),
+                    "colocated": key in local})
     return out
 
 

@@ -107,7 +107,8 @@
             '<th class="num">bytes</th><th class="num">bandwidth</th><th class="num">queue</th></tr>';
     v.edges.forEach((e) => {
       h += '<tr data-edge="' + esc(e.key) + '" data-p50="' + e.p50_s + '" data-p95="' + e.p95_s + '" data-bytes="' + e.bytes_total +
-           '"><td>' + esc(e.key) + '</td><td class="num">' + e.count + '</td><td class="num">' + secs(e.p50_s) + '</td><td class="num">' +
+           '"><td>' + esc(e.key) + (e.colocated ? ' <span class="muted">(co-located: in process)</span>' : "") +
+           '</td><td class="num">' + e.count + '</td><td class="num">' + secs(e.p50_s) + '</td><td class="num">' +
            secs(e.p95_s) + '</td><td class="num">' + bytes(e.bytes_total) + '</td><td class="num">' +
            (e.bandwidth_Bps == null ? "–" : bytes(e.bandwidth_Bps) + "/s") + '</td><td class="num">' + e.queue_len + "/" +
            esc(e.high_watermark) + "</td></tr>";
@@ -147,7 +148,7 @@
         const hgt = (s[k + 1] / top) * H;
         y -= hgt;
         svg += '<rect x="' + (i * bw).toFixed(2) + '" y="' + y.toFixed(2) + '" width="' + Math.max(bw - 0.5, 0.5).toFixed(2) +
-               '" height="' + hgt.toFixed(2) + '" fill="' + PARTS[k][1] + '"/>';
+               '" height="' + hgt.toFixed(2) + '" style="fill:' + PARTS[k][1] + '"/>';
       }
     });
     svg += '<text class="muted" x="0" y="' + (H + 12) + '">step ' + series[0][0] + '</text><text class="muted" x="' + W + '" y="' + (H + 12) +
@@ -178,7 +179,7 @@
     const sy = (y) => 4 + (y1 > y0 ? (1 - (y - y0) / (y1 - y0)) * (H - 8) : H / 2);
     const d = points.map((p, i) => (i ? "L" : "M") + sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ");
     return '<svg viewBox="0 0 ' + W + " " + (H + 12) + '" width="100%" preserveAspectRatio="none"><line class="axis" x1="0" y1="' + H +
-           '" x2="' + W + '" y2="' + H + '"/><path d="' + d + '" fill="none" stroke="var(--accent)" stroke-width="1.6" vector-effect="non-scaling-stroke"/>' +
+           '" x2="' + W + '" y2="' + H + '"/><path d="' + d + '" style="fill:none;stroke:var(--accent);stroke-width:1.6" vector-effect="non-scaling-stroke"/>' +
            '<text class="muted" x="0" y="' + (H + 11) + '">min ' + num(y0, 3) + '</text><text class="muted" x="' + W + '" y="' + (H + 11) +
            '" text-anchor="end">max ' + num(y1, 3) + "</text></svg>";
   }
