@@ -124,7 +124,7 @@ def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_the_live_page_follows_the_running_job(run: Run, browser: Any) -> None:
+def test_the_live_page_follows_the_running_job(browser: Any, run: Run) -> None:
     handle = hybridflow.connect(NAME)
     server = bind(Feed(None, handle, str(handle.ref), min_interval_s=0.2), "127.0.0.1", 0, refresh_s=0.5)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -176,7 +176,7 @@ def split(r: dict[str, Any]) -> tuple[float, float, float]:
     return compute, step - compute - scheduling, scheduling
 
 
-def test_the_report_shows_every_panel_with_the_runs_numbers(run: Run, browser: Any) -> None:
+def test_the_report_shows_every_panel_with_the_runs_numbers(browser: Any, run: Run) -> None:
     run.thread.join(timeout=900)
     assert run.error is None, run.error
     assert run.result is not None
