@@ -100,12 +100,13 @@ def test_policy_rejects_nonsense() -> None:
 
 def test_latency_stats_count_mean_p95() -> None:
     s = LatencyStats()
-    assert s.as_dict() == {"count": 0, "mean_s": 0.0, "p95_s": 0.0, "max_s": 0.0}
+    assert s.as_dict() == {"count": 0, "mean_s": 0.0, "p50_s": 0.0, "p95_s": 0.0, "max_s": 0.0}
     for i in range(1, 101):
         s.add(float(i))
     assert s.count == 100
     assert s.mean_s == pytest.approx(50.5)
     assert s.p95_s == 95.0  # nearest rank: sorted[ceil(0.95 * 100) - 1]
+    assert s.p50_s == 50.0
     assert s.max_s == 100.0
 
 

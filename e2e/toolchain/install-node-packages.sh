@@ -2,7 +2,7 @@
 # Install what a real kubelet node and the image builds need, from Debian: containerd, runc, the CNI
 # plugins, iptables, nftables and conntrack (kube-proxy; teardown), busybox-static (the pause image), debootstrap, buildah,
 # umoci and skopeo (images without a Docker engine); prometheus, the server e2e/test_prometheus.py scrapes
-# a live run and the operator with.
+# a live run and the operator with; chromium, the headless browser tests/test_dashboard_browser.py drives.
 #
 #   sudo e2e/toolchain/install-node-packages.sh        (idempotent: seconds when all are present)
 #
@@ -10,7 +10,7 @@
 set -euo pipefail
 
 PACKAGES=(containerd runc containernetworking-plugins iptables conntrack busybox-static
-          debootstrap buildah umoci skopeo fuse-overlayfs nftables prometheus)
+          debootstrap buildah umoci skopeo fuse-overlayfs nftables prometheus chromium)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

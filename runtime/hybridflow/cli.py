@@ -1,4 +1,4 @@
-"""hybridflow run | train | validate | render | ctl."""
+"""hybridflow run | train | validate | render | ctl | dashboard."""
 
 from __future__ import annotations
 
@@ -125,6 +125,7 @@ def _summarise(result: dict[str, Any], metrics_out: str | None, seconds: float) 
         "steps": result["steps"], "wall_s": round(seconds, 1),
         "reward_start": round(first["reward_mean"], 4), "reward_end": round(end_reward, 4),
         "reward_last": round(last["reward_mean"], 4), "metrics": metrics_out, "plot": result["plot"],
+        "report": result.get("report"),
         "recoveries": result["recoveries"],
     }))
 
@@ -167,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridflow.control import cli as control_cli
 
     control_cli.add_parser(sub)
+    from hybridflow.dashboard import cli as dashboard_cli
+
+    dashboard_cli.add_parser(sub)
     return p
 
 

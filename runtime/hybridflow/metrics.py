@@ -34,7 +34,7 @@ class MetricsLog:
             return list(self._memory)
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return parse_records(self.path.read_text())
 
     def truncate_after(self, step: int) -> None:
         self._memory = [r for r in self._memory if r.get("step", 0) <= step]
@@ -47,6 +47,13 @@ class MetricsLog:
         self._memory = []
         if self.path and self.path.is_file():
             self.path.unlink()
+
+
+def parse_records(text: str) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl's text. A last line without its newline is being written right now
+    (a reader such as the dashboard runs beside the writer), so it is left for the next read."""
+    lines = text.split("\n")
+    return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
 def plot_metrics(records: list[dict[str, Any]], out: str | Path, title: str = "") -> Path | None:

@@ -22,6 +22,7 @@ from hybridflow.api.spec import RLTrainingJob
 from hybridflow.control import store
 from hybridflow.control.names import job_ref
 from hybridflow.control.steering import Steering
+from hybridflow.dashboard import report_path, write_report
 from hybridflow.data.prompts import PromptSampler, load_rows
 from hybridflow.metrics import MetricsLog, plot_metrics
 from hybridflow.plan import sequences_per_step, step_plan, trainable_graph
@@ -42,6 +43,8 @@ WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableErro
 LOST_PROBE_S = 60.0
 """How long a host may take to answer before a failed step blames its death (Ray's node health check
 takes about 30 s to declare a vanished pod's raylet dead)."""
+MEMORY_SAMPLE_S = 5.0
+"""How often the loop asks the hosts for their memory (the dashboard's heatmap): one round trip per host."""
 
 
 class Trainer:
@@ -85,6 +88,7 @@ class Trainer:
         self.started = False
         self.recoveries = 0
         self._host_counts: dict[str, int] = {}
+        self._memory_at: float | None = None
         self.ref = job_ref(self.job.metadata.name, self.job.metadata.namespace)
         self.steering = Steering(self.scheduler, store.TargetStore(Path(t.checkpoint.path) / store.FILE_NAME),
                                  rules=[self._parallelism_problem], on_change=self._sync_new_hosts)
@@ -131,7 +135,12 @@ class Trainer:
                 time.sleep(0.05)
         controller = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
         return {"job": str(self.ref), "step": self.step, "total_steps": self.spec.trainer.total_steps,
-                "controller": controller, **status, "manual": self.steering.status()}
+                "controller": controller, **status, "manual": self.steering.status(),
+                "metrics_path": str(self.metrics.path) if self.metrics.path else None}
+
+    def dashboard_records(self, after: int = 0) -> list[dict[str, Any]]:
+        """The metrics records past step `after`, for `hybridflow dashboard` (which may not see the file)."""
+        return [r for r in self.metrics.read() if r.get("step", 0) > after]
 
     def control_scale(self, node: str, parallelism: int, reason: str, wait_s: float = 600.0) -> dict[str, Any]:
         """For `adjust_parallelism` from outside: applied at the next step boundary (see Steering)."""
@@ -165,12 +174,30 @@ class Trainer:
         finally:
             self.trackers.close()
         records = self.metrics.read()
-        png = None
+        png = report = None
         if self.metrics.path:
-            png = plot_metrics(records, self.metrics.path.with_suffix(".png"),
-                               f"{self.job.metadata.name} ({self.spec.algorithm.name})")
+            title = f"{self.job.metadata.name} ({self.spec.algorithm.name})"
+            png = plot_metrics(records, self.metrics.path.with_suffix(".png"), title)
+            report = self._write_report(records, title)
         return {"steps": self.step, "records": records, "plot": str(png) if png else None,
+                "report": str(report) if report else None,
                 "recoveries": self.recoveries, "last_checkpoint": self.last_checkpoint}
+
+    def _write_report(self, records: list[dict[str, Any]], title: str) -> Path | None:
+        """The run's dashboard as one HTML file beside its metrics; a failure here must not fail the run."""
+        assert self.metrics.path is not None
+        try:
+            self.scheduler.sample_memory()
+            return write_report(records, self.control_status(), report_path(self.metrics.path), title)
+        except Exception as e:
+            log.warning("could not write the dashboard report: %s", e)
+            return None
+
+    def _maybe_sample_memory(self) -> None:
+        now = time.monotonic()
+        if self._memory_at is None or now - self._memory_at >= MEMORY_SAMPLE_S:
+            self._memory_at = now
+            self.scheduler.sample_memory()
 
     def _loop(self, total: int) -> None:
         while self.step < total:
@@ -193,6 +220,7 @@ class Trainer:
             self.metrics.write(record)
             self.trackers.log_record(record)
             self.telemetry.export(record, self.scheduler)
+            self._maybe_sample_memory()
             self._maybe_checkpoint()
             if self.reporter:
                 self.reporter.report(self.step, total, record, self.last_checkpoint, force=self.step == total)

@@ -25,7 +25,7 @@ def percentile(samples: Sequence[float], q: float) -> float:
 
 
 class LatencyStats:
-    """count and mean over every sample; p95 over the last `window` so it follows the current load."""
+    """count and mean over every sample; p50 and p95 over the last `window` so they follow the current load."""
 
     def __init__(self, window: int = 1024) -> None:
         self.count = 0
@@ -50,11 +50,16 @@ class LatencyStats:
         return self.total_s / self.count if self.count else 0.0
 
     @property
+    def p50_s(self) -> float:
+        return percentile(list(self._recent), 50.0)
+
+    @property
     def p95_s(self) -> float:
         return percentile(list(self._recent), 95.0)
 
     def as_dict(self) -> dict[str, float | int]:
-        return {"count": self.count, "mean_s": self.mean_s, "p95_s": self.p95_s, "max_s": self.max_s}
+        return {"count": self.count, "mean_s": self.mean_s, "p50_s": self.p50_s, "p95_s": self.p95_s,
+                "max_s": self.max_s}
 
 
 @dataclass

@@ -64,6 +64,7 @@ class Host(Protocol):
 
     def node_info(self) -> dict[str, Any]: ...  # node_id, ip, pid, gpu_ids
     def free_port(self) -> int: ...
+    def memory(self) -> dict[str, Any]: ...  # {"kind": "gpu" or "rss", "bytes": n}; only sample_memory asks
     def setup_distributed(self, master_addr: str, master_port: int, rank: int, world_size: int,
                           backend: str) -> None: ...
 
@@ -126,6 +127,8 @@ class HybridScheduler:
         """Bound on actor start-up (node_info) and rank setup."""
         self.run_id = uuid.uuid4().hex[:8]
         self.decisions: list[str] = []
+        self.decision_log: list[dict[str, Any]] = []
+        """The decisions again, structured for the dashboard: time (Unix seconds), kind, node, reason, message."""
         self.events: list[BackpressureDecision] = []
         self._policy = BackpressurePolicy(scheduling.queue_high_watermark, scheduling.backpressure_window)
         self._groups: dict[str, _Group] = {}
@@ -189,7 +192,7 @@ class HybridScheduler:
         pgs: list[PlacementGroup] = []
         try:
             for p in plans:
-                self._decide(f"Scheduling decision: placement group {p.describe()}", "placement")
+                self._decide(f"Scheduling decision: placement group {p.describe()}", "placement", p.name)
                 pgs.append(placement_group([dict(p.bundle)] * p.parallelism, strategy=p.strategy,
                                            name=self._pg_name(p.name)))
         except BaseException:
@@ -256,18 +259,18 @@ class HybridScheduler:
             for i in indices:
                 names = " and ".join(f"{n}_{i}" for n in g.plan.node_names)
                 self._decide(f"Scheduling decision: co-located {names} on node {g.slots[i].info.get('node_id')}",
-                             "colocation")
+                             "colocation", g.plan.name)
         if g.plan.staged:
             placed = [(s.info.get("node_id", ""), list(s.info.get("gpu_ids", []))) for s in g.slots[: g.active]]
             stages = stages_of(placed)
             for st in stages:
                 members = ", ".join(f"{g.plan.name}_{i}" for i in st.instances)
                 self._decide(f"Scheduling decision: stage {st.index} of {g.plan.name}: {members} "
-                             f"on node {st.node_id} (GPU ids {list(st.gpu_ids)})", "stage")
+                             f"on node {st.node_id} (GPU ids {list(st.gpu_ids)})", "stage", g.plan.name)
             sizes = tuple(len(st.instances) for st in stages)
             if g.active == g.plan.parallelism and sorted(sizes) != sorted(g.plan.planned_stages):
                 self._decide(f"Scheduling decision: {g.plan.name} landed in stages {list(sizes)}, "
-                             f"planned {list(g.plan.planned_stages)}", "stage")
+                             f"planned {list(g.plan.planned_stages)}", "stage", g.plan.name)
 
     # -- distributed ranks -----------------------------------------------------------------------
 
@@ -290,7 +293,7 @@ class HybridScheduler:
                 calls.append((f"{g.plan.name} rank {rank}",
                               h.setup_distributed.remote(ip, port, rank, len(hosts), DIST_BACKEND)))
             self._decide(f"Scheduling decision: data-parallel {g.plan.name}: world size {len(hosts)}, "
-                         f"master {ip}:{port}, backend {DIST_BACKEND}", "distributed")
+                         f"master {ip}:{port}, backend {DIST_BACKEND}", "distributed", g.plan.name)
         if not calls:
             return
         refs = [r for _, r in calls]
@@ -338,10 +341,12 @@ class HybridScheduler:
             g = self._groups.get(self._group_of.get(n.name, ""))
             workers = [] if g is None else [
                 {"instance": i, "node_id": s.info.get("node_id"), "ip": s.info.get("ip"), "pid": s.info.get("pid"),
-                 "gpu_ids": list(s.info.get("gpu_ids", [])), "bundle": dict(g.plan.bundle), "actor": s.name}
+                 "gpu_ids": list(s.info.get("gpu_ids", [])), "bundle": dict(g.plan.bundle), "actor": s.name,
+                 "memory": s.info.get("memory")}
                 for i, s in enumerate(g.slots[: g.active])
             ]
             nodes[n.name] = {
+                "role": n.role,
                 "workers": workers,
                 "parallelism": g.active if g else 0,
                 "planned_parallelism": n.parallelism,
@@ -356,8 +361,30 @@ class HybridScheduler:
             "nodes": nodes,
             "edges": {k: ch.status() for k, ch in self._channels.items()},
             "decisions": list(self.decisions),
+            "decision_log": [dict(d) for d in self.decision_log],
             "backpressure": [e.as_dict() for e in self.events],
+            "graph": {"name": self.graph.name, "edges": [
+                {"src": e.src_name, "dst": e.dst_name, "data_type": e.data_type, "control": e.control,
+                 "co_locate": e.co_locate} for e in self.graph.edges]},
         }
+
+    def sample_memory(self, timeout_s: float = 5.0) -> None:
+        """Ask every active host for its memory (`memory()`: GPU memory reserved by torch, else RSS) and keep
+        the answers for get_status; call between steps, when the hosts are idle. A host that does not answer
+        in time keeps its last sample: the dashboard must never stall training."""
+        slots = [s for g in self._groups.values() for s in g.slots[: g.active] if s.actor is not None]
+        if not slots:
+            return
+        refs = [s.actor.memory.remote() for s in slots]  # type: ignore[union-attr]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done = set(ready)
+        for s, ref in zip(slots, refs, strict=True):
+            if ref not in done:
+                continue
+            try:
+                s.info["memory"] = dict(ray.get(ref))
+            except ray.exceptions.RayError as e:
+                log.debug("memory of %s: %s", s.name, e)
 
     # -- parallelism -----------------------------------------------------------------------------
 
@@ -413,7 +440,7 @@ class HybridScheduler:
         elif not self._raise(g, target, node_name, reason, source):
             return old
         self._decide(f"{source}: {node_name} parallelism {old} -> {target} ({reason}){with_}",
-                     _kind(source, "up" if target > old else "down"))
+                     _kind(source, "up" if target > old else "down"), node_name, reason)
         if source == "Manual":
             g.target = target
         if target > old:
@@ -444,7 +471,7 @@ class HybridScheduler:
             if not fits(demand, available):
                 why = describe_missing(demand, real_resources(ray.cluster_resources()), available)
                 self._decide(f"{source}: cannot raise {node_name} parallelism {g.active} -> {target}: "
-                             f"{why} ({reason})", _kind(source, "refused"))
+                             f"{why} ({reason})", _kind(source, "refused"), node_name, f"{reason}: {why}")
                 return False
             pg = placement_group([dict(g.plan.bundle)] * need, strategy="PACK", name=self._pg_name(g.plan.name))
             ready, _ = ray.wait([pg.ready()], timeout=self.adjust_timeout_s)
@@ -452,7 +479,8 @@ class HybridScheduler:
                 remove_placement_group(pg)
                 self._decide(f"{source}: cannot raise {node_name} parallelism {g.active} -> {target}: "
                              f"{need} more bundles not placed within {self.adjust_timeout_s:g}s ({reason})",
-                             _kind(source, "refused"))
+                             _kind(source, "refused"), node_name,
+                             f"{reason}: {need} more bundles not placed within {self.adjust_timeout_s:g}s")
                 return False
             g.pgs.append(pg)
             g.slots += [_Slot(pg, i, extra=True) for i in order_bundles_by_node(self._bundle_nodes(pg))]
@@ -586,7 +614,11 @@ class HybridScheduler:
         table = placement_group_table(pg)
         return {int(k): str(v) for k, v in table.get("bundles_to_node_id", {}).items()}
 
-    def _decide(self, message: str, kind: DecisionKind) -> None:
+    def _decide(self, message: str, kind: DecisionKind, node: str, reason: str | None = None) -> None:
+        """Log a decision; `reason` defaults to the message without its "Scheduling decision: " prefix."""
         self.decisions.append(message)
+        self.decision_log.append({"time": time.time(), "kind": kind, "node": node,
+                                  "reason": reason if reason is not None else message.split(": ", 1)[-1],
+                                  "message": message})
         log.info("%s", message)
         count_decision(self.name_prefix, kind)

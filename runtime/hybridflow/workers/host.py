@@ -72,6 +72,11 @@ class WorkerHost:
         return {"node_id": node_id, "ip": socket.gethostbyname(socket.gethostname()), "pid": os.getpid(),
                 "gpu_ids": gpu_ids, "roles": self.roles, "device": str(self.device)}
 
+    def memory(self) -> dict[str, Any]:
+        """This process's memory for the dashboard's heatmap, measured as the Prometheus gauge measures it."""
+        kind, used = telemetry.memory_bytes(self.device)
+        return {"kind": kind, "bytes": used}
+
     def free_port(self) -> int:
         return distributed.free_port()
 
