@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shlex
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,3 +196,46 @@ def kuberay_resources(raw: str) -> dict:
     (arg,) = shlex.split(f"--resources={raw}")
     assert json.loads(arg.removeprefix("--resources=")) == parsed
     return parsed
+
+
+def pooled_ppo_graph() -> dict[str, Any]:
+    """PPO with a reward node of its own (scalable), a critic with ranks, and an actor planned without ranks."""
+    return {
+        "nodes": [
+            {"name": "actor_rollout", "role": "actor_rollout", "resources": {"CPU": 1}, "pool": "actor"},
+            {"name": "reference", "role": "reference", "pool": "actor"},
+            {"name": "reward", "role": "reward", "resources": {"CPU": 0.5}, "pool": "reward"},
+            {"name": "critic", "role": "critic", "resources": {"CPU": 1}, "pool": "critic"},
+        ],
+        "edges": [
+            {"src": "actor_rollout", "dst": "reference", "coLocate": True},
+            {"src": "actor_rollout", "dst": "reward", "dataType": "rollout_batch"},
+            {"src": "critic", "dst": "actor_rollout", "dataType": "updated_policy", "control": True},
+        ],
+    }
+
+
+class TrainingThread:
+    """A job trained through the driver in a daemon thread; `result` or `error` holds how it ended."""
+
+    def __init__(self, job: Any, metrics: Path) -> None:
+        self.job, self.metrics = job, metrics
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._train, daemon=True)
+
+    def _train(self) -> None:
+        from hybridflow.driver import run_training
+
+        try:
+            self.result = run_training(self.job, str(self.metrics))
+        except BaseException as e:
+            self.error = e
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.metrics.is_file():
+            return []
+        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+
+    def steps(self) -> list[int]:
+        return [r["step"] for r in self.records()]

@@ -12,10 +12,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,49 +26,13 @@ from hybridflow.api import parse_job
 from hybridflow.control import ControlError, JobHandle
 from hybridflow.driver import TrainingFailed, run_training
 from tests.conftest import ROOT
+from tests.helpers import TrainingThread, pooled_ppo_graph
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 NAMESPACE, NAME = "team-a", "ctl-ppo"
 JOB = f"{NAMESPACE}/{NAME}"
 PYTHONPATH = os.pathsep.join([str(ROOT / "runtime"), str(ROOT)])
-
-
-def graph() -> dict[str, Any]:
-    """PPO with a reward node of its own (scalable), a critic with ranks, and an actor planned without ranks."""
-    return {
-        "nodes": [
-            {"name": "actor_rollout", "role": "actor_rollout", "resources": {"CPU": 1}, "pool": "actor"},
-            {"name": "reference", "role": "reference", "pool": "actor"},
-            {"name": "reward", "role": "reward", "resources": {"CPU": 0.5}, "pool": "reward"},
-            {"name": "critic", "role": "critic", "resources": {"CPU": 1}, "pool": "critic"},
-        ],
-        "edges": [
-            {"src": "actor_rollout", "dst": "reference", "coLocate": True},
-            {"src": "actor_rollout", "dst": "reward", "dataType": "rollout_batch"},
-            {"src": "critic", "dst": "actor_rollout", "dataType": "updated_policy", "control": True},
-        ],
-    }
-
-
-class Run:
-    """The job training in a thread; `error` holds how it ended when it did not finish."""
-
-    def __init__(self, job: Any, metrics: Path) -> None:
-        self.job, self.metrics = job, metrics
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._train, daemon=True)
-
-    def _train(self) -> None:
-        try:
-            run_training(self.job, str(self.metrics))
-        except BaseException as e:
-            self.error = e
-
-    def steps(self) -> list[int]:
-        if not self.metrics.is_file():
-            return []
-        return [json.loads(line)["step"] for line in self.metrics.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +49,11 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrainingThread]:
     tmp = tmp_path_factory.mktemp("control")
     doc = yaml.safe_load((ROOT / "examples" / "tiny-ppo.yaml").read_text())
     doc["metadata"].update(name=NAME, namespace=NAMESPACE)
-    doc["spec"]["graph"] = graph()
+    doc["spec"]["graph"] = pooled_ppo_graph()
     doc["spec"]["reward"]["function"] = "tests.slow_reward:score"  # ~0.5 s a step: the machine stays usable
     doc["spec"]["data"]["batchSize"] = 16
     doc["spec"]["algorithm"]["miniBatchSize"] = 8
@@ -100,7 +62,7 @@ def run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     # every observation of the reward queue (one chunk a step) is "low": backpressure would walk a raised
     # reward node back at once, unless a manual change moved the level it relaxes toward
     doc["spec"]["scheduling"] = {"placementTimeoutSeconds": 60, "queueHighWatermark": 4, "backpressureWindow": 1}
-    r = Run(parse_job(doc), tmp / "metrics.jsonl")
+    r = TrainingThread(parse_job(doc), tmp / "metrics.jsonl")
     r.thread.start()
     wait_for(lambda: len(r.steps()) >= 1 or r.error is not None, 300, "the first step")
     assert r.error is None, r.error
@@ -112,7 +74,7 @@ def run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 @pytest.fixture
-def handle(run: Run) -> JobHandle:
+def handle(run: TrainingThread) -> JobHandle:
     return hybridflow.connect(JOB)
 
 
@@ -139,7 +101,7 @@ def ctl(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=180, env=env)
 
 
-def test_status_from_outside_while_it_trains(run: Run) -> None:
+def test_status_from_outside_while_it_trains(run: TrainingThread) -> None:
     handle = hybridflow.connect(NAME, namespace=NAMESPACE)
     first = handle.scheduler.get_status()
     assert first["job"] == JOB and first["total_steps"] == 100_000
@@ -152,7 +114,7 @@ def test_status_from_outside_while_it_trains(run: Run) -> None:
     wait_for(lambda: handle.scheduler.get_status()["step"] > first["step"], 120, "the step to advance")
 
 
-def test_scale_a_reward_node_up_and_down(run: Run, handle: JobHandle) -> None:
+def test_scale_a_reward_node_up_and_down(run: TrainingThread, handle: JobHandle) -> None:
     assert handle.scheduler.adjust_parallelism("reward", 2, "more scoring") == 2
     status = handle.scheduler.get_status()
     assert parallelism(status)["reward"] == 2 and len(status["nodes"]["reward"]["workers"]) == 2
@@ -172,7 +134,7 @@ def test_scale_a_reward_node_up_and_down(run: Run, handle: JobHandle) -> None:
     assert status["manual"]["targets"] == {"reward": 1}
 
 
-def test_scale_the_data_parallel_critic_while_it_trains(run: Run, handle: JobHandle) -> None:
+def test_scale_the_data_parallel_critic_while_it_trains(run: TrainingThread, handle: JobHandle) -> None:
     assert handle.scheduler.adjust_parallelism("critic", 2, "faster values") == 2
     status = handle.scheduler.get_status()
     assert parallelism(status)["critic"] == 2
@@ -203,20 +165,20 @@ def test_a_request_that_cannot_be_met_changes_nothing(handle: JobHandle, node: s
     assert manual(after) == manual(before) and after["manual"] == before["manual"]
 
 
-def test_connecting_to_a_job_that_does_not_run_names_it_and_the_cluster(run: Run, cluster: Cluster) -> None:
+def test_connecting_to_a_job_that_does_not_run_names_it_and_the_cluster(run: TrainingThread, cluster: Cluster) -> None:
     with pytest.raises(ControlError) as err:
         hybridflow.connect("team-a/other", address=cluster.address)
     assert str(err.value) == (f"job team-a/other is not running in the Ray cluster at {cluster.address} "
                               "(no actor 'controller/team-a/other' in Ray namespace 'hybridflow')")
 
 
-def test_a_second_run_of_the_same_job_is_refused(run: Run) -> None:
+def test_a_second_run_of_the_same_job_is_refused(run: TrainingThread) -> None:
     with pytest.raises(TrainingFailed, match=f"job {JOB} is already running in this Ray cluster"):
         run_training(run.job, None)
     assert run.thread.is_alive() and run.error is None
 
 
-def test_cli_status_and_scale(run: Run, cluster: Cluster) -> None:
+def test_cli_status_and_scale(run: TrainingThread, cluster: Cluster) -> None:
     shown = ctl(cluster, "status", JOB)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith(f"job {JOB}  step ")
@@ -241,14 +203,15 @@ def test_cli_status_and_scale(run: Run, cluster: Cluster) -> None:
     (("status", "team-a/other"), "error: job team-a/other is not running in the Ray cluster at "),
     (("status", "a/b/c"), "error: job 'a/b/c': expected NAME or NAMESPACE/NAME"),
 ])
-def test_cli_refusals_are_one_line_and_exit_1(run: Run, cluster: Cluster, args: tuple[str, ...], says: str) -> None:
+def test_cli_refusals_are_one_line_and_exit_1(run: TrainingThread, cluster: Cluster, args: tuple[str, ...],
+                                              says: str) -> None:
     done = ctl(cluster, *args)
     assert done.returncode == 1
     assert done.stderr.startswith(says) and "Traceback" not in done.stderr, done.stderr
     assert done.stdout == ""
 
 
-def test_a_restarted_controller_puts_the_manual_parallelism_back(run: Run, handle: JobHandle) -> None:
+def test_a_restarted_controller_puts_the_manual_parallelism_back(run: TrainingThread, handle: JobHandle) -> None:
     before = handle.scheduler.get_status()
     assert parallelism(before)["critic"] == 2 and parallelism(before)["reward"] == 2
     os.kill(before["controller"]["pid"], signal.SIGKILL)

@@ -8,7 +8,6 @@ Set DASHBOARD_SCREENSHOT=docs/dashboard.png to save the report's screenshot ther
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -24,8 +23,9 @@ import hybridflow
 from hybridflow.api import parse_job
 from hybridflow.dashboard.feed import Feed
 from hybridflow.dashboard.server import bind, url_of
-from hybridflow.driver import init_ray, run_training
+from hybridflow.driver import init_ray
 from tests.conftest import ROOT
+from tests.helpers import TrainingThread, pooled_ppo_graph
 
 pytestmark = pytest.mark.slow
 
@@ -65,25 +65,9 @@ class Page:
         return [str(v) for v in self.page.eval_on_selector_all(selector, script)]
 
 
-class Run:
-    def __init__(self, job: Any, metrics: Path) -> None:
-        self.job, self.metrics = job, metrics
-        self.result: dict[str, Any] | None = None
-        self.scaled = False
-        """Whether the live test scaled the reward node up and back (decisions the report must then show)."""
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._train, daemon=True)
-
-    def _train(self) -> None:
-        try:
-            self.result = run_training(self.job, str(self.metrics))
-        except BaseException as e:
-            self.error = e
-
-    def records(self) -> list[dict[str, Any]]:
-        if not self.metrics.is_file():
-            return []
-        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+class Run(TrainingThread):
+    scaled = False
+    """Whether the live test scaled the reward node up and back (decisions the report must then show)."""
 
 
 @pytest.fixture(scope="module")
@@ -92,19 +76,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     tmp = tmp_path_factory.mktemp("dashboard")
     doc = yaml.safe_load((ROOT / "examples" / "tiny-ppo.yaml").read_text())
     doc["metadata"]["name"] = NAME
-    doc["spec"]["graph"] = {
-        "nodes": [
-            {"name": "actor_rollout", "role": "actor_rollout", "resources": {"CPU": 1}, "pool": "actor"},
-            {"name": "reference", "role": "reference", "pool": "actor"},
-            {"name": "reward", "role": "reward", "resources": {"CPU": 0.5}, "pool": "reward"},
-            {"name": "critic", "role": "critic", "resources": {"CPU": 1}, "pool": "critic"},
-        ],
-        "edges": [
-            {"src": "actor_rollout", "dst": "reference", "coLocate": True},
-            {"src": "actor_rollout", "dst": "reward", "dataType": "rollout_batch"},
-            {"src": "critic", "dst": "actor_rollout", "dataType": "updated_policy", "control": True},
-        ],
-    }
+    doc["spec"]["graph"] = pooled_ppo_graph()
     doc["spec"]["data"]["batchSize"] = 128
     doc["spec"]["trainer"].update(totalSteps=STEPS, resume="never", checkpoint={"every": 0, "path": str(tmp / "ckpt")})
     r = Run(parse_job(doc), tmp / "metrics.jsonl")
