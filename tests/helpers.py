@@ -7,7 +7,8 @@ import json
 import os
 import shlex
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -239,3 +240,12 @@ class TrainingThread:
 
     def steps(self) -> list[int]:
         return [r["step"] for r in self.records()]
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `cond` every 0.2 s; AssertionError names `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(0.2)

@@ -12,8 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,7 +25,7 @@ from hybridflow.api import parse_job
 from hybridflow.control import ControlError, JobHandle
 from hybridflow.driver import TrainingFailed, run_training
 from tests.conftest import ROOT
-from tests.helpers import TrainingThread, pooled_ppo_graph
+from tests.helpers import TrainingThread, pooled_ppo_graph, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -76,14 +75,6 @@ def run(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture
 def handle(run: TrainingThread) -> JobHandle:
     return hybridflow.connect(JOB)
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.2)
 
 
 def parallelism(status: dict[str, Any]) -> dict[str, int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from hybridflow.dashboard.feed import Feed
 from hybridflow.dashboard.server import bind, url_of
 from hybridflow.driver import init_ray
 from tests.conftest import ROOT
-from tests.helpers import TrainingThread, pooled_ppo_graph
+from tests.helpers import TrainingThread, pooled_ppo_graph, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -86,14 +86,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     yield r
     r.thread.join(timeout=600)
     ray.shutdown()
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
-        time.sleep(0.2)
 
 
 def test_the_live_page_follows_the_running_job(browser: Any, run: Run) -> None:
