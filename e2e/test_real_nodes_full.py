@@ -150,13 +150,10 @@ def _faults(cluster: RealNodeCluster, run: JobRun) -> None:
 def test_head_pod_deleted_mid_run_resumes_from_the_claim(full_cluster_real: RealNodeCluster) -> None:
     """The driver dies with the head. The RayJob's retry (runPolicy.backoffLimit) submits again on a new Ray
     cluster, and resume=auto continues from the last checkpoint on the claim. The old controller, orphaned on a
-    worker until its raylet gives up on the lost GCS, stops at its next write once the new one claims the
-    checkpoint directory."""
+    worker, stops once the GCS has been silent for scheduler.head.LOST_AFTER_S; had it not, the new one's claim
+    on the checkpoint directory would fence it off at its next write."""
     job = _example(TINY_GRPO)
     job["spec"]["runPolicy"] = {"backoffLimit": 1}
-    # Without its GCS a worker's raylet exits after this long (Ray's default is 60 s, in which the orphaned
-    # controller could finish the tiny run by itself before the new submission starts).
-    job["spec"]["cluster"]["env"].append({"name": "RAY_gcs_rpc_server_reconnect_timeout_s", "value": "10"})
     run = JobRun(full_cluster_real, job, "head-fault")
     run.apply()
     step = run.wait_for_step(12)
@@ -169,7 +166,8 @@ def test_head_pod_deleted_mid_run_resumes_from_the_claim(full_cluster_real: Real
     assert condition(result.job, "Succeeded")["status"] == "True", result.describe()
     steps = [r["step"] for r in result.metrics()]
     assert steps == list(range(1, 81)), steps
-    orphan_steps = [n for at, n in run.steps if deleted_at < at < run.claims[-1]]
-    print(f"\nhead pod deleted at step {step}: the resubmitted driver's first step {recovered:.1f}s later "
-          f"(the orphaned controller finished {len(orphan_steps)} more steps before it stopped), "
+    orphan = [(at, n) for at, n in run.steps if deleted_at < at < run.claims[-1]]
+    orphan_s = orphan[-1][0] - deleted_at if orphan else 0.0
+    print(f"\nhead pod deleted at step {step}: the resubmitted driver's first step {recovered:.1f}s later; "
+          f"the orphaned controller wrote {len(orphan)} more steps, the last {orphan_s:.1f}s after the deletion; "
           f"final reward {result.final_reward:.3f}")

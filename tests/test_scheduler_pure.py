@@ -7,6 +7,7 @@ import pytest
 from hybridflow.graph import DataflowGraph, Edge, Node
 from hybridflow.scheduler.backpressure import BackpressurePolicy, QueueSignal
 from hybridflow.scheduler.edges import EdgeChannel, LatencyStats, percentile
+from hybridflow.scheduler.head import HeadLost, HeadWatch
 from hybridflow.scheduler.placement import (
     EMPTY_BUNDLE_CPU,
     actor_options,
@@ -243,3 +244,52 @@ def test_stages_group_instances_by_node_and_gpu() -> None:
         (0, "n1", (2, 0), (0, 1)),
         (1, "n2", (3, 1), (0, 1)),
     ]
+
+
+# -- the head watch ------------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_head_watch_stops_only_after_the_gcs_is_silent_long_enough() -> None:
+    clock, answers = _Clock(), [True]
+    watch = HeadWatch(probe=lambda: answers[-1], lost_after_s=10.0, every_s=1.0, clock=clock)
+    watch.check()
+    answers.append(False)
+    for t in (1.0, 5.0, 9.0):  # silent, but not yet for 10 s
+        clock.now = t
+        watch.check()
+    clock.now = 10.0
+    with pytest.raises(HeadLost, match="has not answered for 10s"):
+        watch.check()
+
+
+def test_head_watch_forgives_a_gap_the_gcs_answers_after() -> None:
+    clock, answers = _Clock(), [False]
+    watch = HeadWatch(probe=lambda: answers[-1], lost_after_s=10.0, every_s=1.0, clock=clock)
+    clock.now = 8.0
+    watch.check()
+    answers.append(True)
+    clock.now = 9.0
+    watch.check()
+    answers.append(False)
+    clock.now = 18.5
+    watch.check()  # 9.5 s since the last answer
+    clock.now = 19.5
+    with pytest.raises(HeadLost):
+        watch.check()
+
+
+def test_head_watch_probes_at_most_once_per_interval() -> None:
+    clock, calls = _Clock(), []
+    watch = HeadWatch(probe=lambda: calls.append(clock.now) or True, every_s=1.0, clock=clock)
+    for t in (0.0, 0.2, 0.9, 1.0, 1.5, 2.1):
+        clock.now = t
+        watch.check()
+    assert calls == [0.0, 1.0, 2.1]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -359,3 +360,29 @@ class TestCluster:
         finally:
             s.shutdown()
         assert live_pgs("hf-bp") == []
+
+
+GCS_KILLED = """
+import os, signal, time
+import ray
+from hybridflow.scheduler.head import gcs_answers
+ray.init(num_cpus=1, include_dashboard=False, configure_logging=False)
+before = gcs_answers()
+os.kill(ray._private.worker._global_node.all_processes["gcs_server"][0].process.pid, signal.SIGKILL)
+t = time.monotonic()
+after = gcs_answers(timeout_s=1.0)
+print("probe", before, after, round(time.monotonic() - t, 1), flush=True)
+os._exit(0)  # the rest of this Ray cannot shut down cleanly without its GCS
+"""
+
+
+def test_the_gcs_probe_reports_a_killed_gcs_within_its_timeout() -> None:
+    """The head watch's probe against a real GCS, answering and then killed (in a process of its own, which
+    Ray ends once it gives up on the GCS)."""
+    env = {**os.environ, "RAY_gcs_rpc_server_reconnect_timeout_s": "10"}
+    out = subprocess.run([sys.executable, "-c", GCS_KILLED], env=env, capture_output=True, text=True, timeout=180)
+    probe = [line.split() for line in out.stdout.splitlines() if line.startswith("probe")]
+    assert probe, out.stdout + out.stderr
+    _, before, after, took = probe[0]
+    assert (before, after) == ("True", "False"), out.stderr
+    assert float(took) < 5, took

@@ -29,6 +29,7 @@ from hybridflow.plan import sequences_per_step, step_plan, trainable_graph
 from hybridflow.reporting import ProgressReporter
 from hybridflow.scheduler import HybridScheduler
 from hybridflow.scheduler.group import HostGroup
+from hybridflow.scheduler.head import HeadWatch
 from hybridflow.scheduler.placement import pin_to_pools
 from hybridflow.step import PhaseResult, UpdateResult, run_step, step_record
 from hybridflow.telemetry import StepExporter
@@ -80,6 +81,7 @@ class Trainer:
         self.trackers = TrackerSet({})
         self.reporter = ProgressReporter.from_env()
         self.telemetry = StepExporter(self.job.metadata.name)
+        self.head = HeadWatch()
         self.step = 0
         self.last_checkpoint: str | None = None
         self.owner: str | None = None
@@ -216,6 +218,7 @@ class Trainer:
                 continue
             self.step = record["step"]
             self.latest = {k: record[k] for k in ("reward_mean", "kl", "tokens_per_s") if k in record}
+            self.head.check()
             self._check_owner()
             self.metrics.write(record)
             self.trackers.log_record(record)
