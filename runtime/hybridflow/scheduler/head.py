@@ -24,7 +24,7 @@ class HeadLost(RuntimeError):
 
 def gcs_answers(timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """One read from the GCS's key-value store, which only the GCS can answer."""
-    client = ray._private.worker.global_worker.gcs_client
+    client = ray._private.worker.global_worker.gcs_client  # type: ignore[attr-defined]
     try:
         client.internal_kv_get(b"hybridflow-head-probe", b"hybridflow", timeout=timeout_s)
     except Exception:  # ray raises its RpcError (not exported) for a timeout or an unreachable GCS
