@@ -42,7 +42,7 @@ test: lint node-packages
 	$(PYTHON) -m pytest -q -ra $(PYTEST_ARGS)
 
 # The full real-node tier: builds the images (make images), installs the chart's operator from its image, runs
-# the tiny jobs on the runtime image and the faults. Root; not in `.ci/run` yet (e2e/README.md says why).
+# the tiny jobs on the runtime image and the faults. Root; `.ci/run` runs it after `make test`.
 test-real-nodes: venv toolchain node-packages
 	$(PYTHON) -m pytest -q -ra -s -m realnodes_full e2e/test_real_nodes_full.py $(PYTEST_ARGS)
 
