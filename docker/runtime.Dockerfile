@@ -9,6 +9,10 @@
 #   docker build -f docker/runtime.Dockerfile --build-arg ACCELERATOR_TAG=cpu --build-arg WITH_VLLM=0 \
 #     -t docker.io/hybridflow/runtime:0.1.0-cpu .
 #
+# With experiment trackers for spec.trainer.loggers (pyproject's extras tensorboard, mlflow, wandb; trackers: all):
+#
+#   docker build -f docker/runtime.Dockerfile --build-arg EXTRAS=tensorboard,wandb -t my.registry/runtime:0.1.0 .
+#
 # The operator uses this image when a job leaves spec.cluster.image empty (chart value runtimeImage,
 # default docker.io/hybridflow/runtime:<appVersion>; set it to the -cpu tag on CPU-only clusters). Keep
 # RAY_VERSION equal to the default spec.cluster.rayVersion: KubeRay starts the cluster with that version
@@ -43,12 +47,22 @@ WORKDIR /home/ray/hybridflow
 # cached. Ray, torch (and vLLM) stay at the versions installed above. `pip wheel` adds to the wheelhouse what
 # it lacks; pip then installs from the wheelhouse alone.
 COPY --chown=ray:users pyproject.toml ./
+# More of pyproject's optional extras, comma-separated: tensorboard, mlflow, wandb, or trackers (all three); empty:
+# none. Declared here, so the layers above stay cached whatever it is.
+ARG EXTRAS=
 RUN --mount=type=cache,target=/home/ray/.cache/wheels,uid=1000,gid=100 \
     extras=runtime; installed=torch; \
     if [ "$WITH_VLLM" = 1 ]; then extras=runtime,vllm; installed="torch vllm"; fi; \
+    extras="$extras${EXTRAS:+,$EXTRAS}"; \
     python -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + [d for e in sys.argv[1].split(',') for d in p['optional-dependencies'][e]]))" \
-      "$extras" > /tmp/requirements.txt; \
+x = p['optional-dependencies']; e = [n.strip() for n in sys.argv[1].split(',') if n.strip()]; \
+bad = [n for n in e if n not in x]; \
+bad and sys.exit(f'EXTRAS: no extra {bad} in pyproject.toml; there are {sorted(x)}'); \
+me = p['name'] + '['; \
+f = lambda n: [d for r in x[n] \
+ for d in ([q for k in r[len(me):-1].split(',') for q in f(k)] if r.startswith(me) else [r])]; \
+print('\n'.join(p['dependencies'] + [d for n in e for d in f(n)]))" \
+      "$extras" > /tmp/requirements.txt || exit 1; \
     set -- "ray[default]==${RAY_VERSION}"; \
     for p in $installed; do set -- "$@" "$p==$(pip show "$p" | sed -n 's/^Version: //p')"; done; \
     pip wheel --wheel-dir /home/ray/.cache/wheels -r /tmp/requirements.txt "$@" "setuptools>=69" \

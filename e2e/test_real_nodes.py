@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from e2e.harness.operator import OperatorProcess
 from e2e.harness.realcluster import RealNodeCluster, with_host_runtime
 from e2e.harness.realcluster import node_images as node_images_of
 from e2e.realnode_runs import MIN_FINAL_REWARD, TINY_GRPO, JobRun, require_real_nodes
+from hybridflow.k8s import contract
 from tests.helpers import condition
 
 pytestmark = pytest.mark.realnodes
@@ -147,11 +150,45 @@ def operator(real_cluster: RealNodeCluster, tmp_path_factory: pytest.TempPathFac
 def test_tiny_grpo_trains_in_real_pods_to_succeeded(real_cluster: RealNodeCluster, operator: OperatorProcess,
                                                     node_images: tuple[dict[str, Path], str, str]) -> None:
     """kubectl apply of examples/tiny-grpo-job.yaml (on the minimal image with this machine's Python): the Ray
-    pods start, KubeRay's submitter runs `hybridflow train`, status.progress rises, the job ends Succeeded."""
+    pods start, KubeRay's submitter runs `hybridflow train`, the driver serves the scheduler dashboard on the head
+    (status.schedulerDashboardUrl), status.progress rises, the job ends Succeeded."""
     job = with_host_runtime(yaml.safe_load(TINY_GRPO.read_text()), node_images[2])
-    result = JobRun(real_cluster, job, "real-grpo").to_end()
+    run = JobRun(real_cluster, job, "real-grpo")
+    run.apply()
+    run.wait_for_step(1)
+    _assert_the_scheduler_dashboard_is_served(real_cluster, run)
+    result = run.to_end()
     result.assert_succeeded(MIN_FINAL_REWARD)
     rayjob = real_cluster.get_json("rayjob", result.job["metadata"]["name"], "-n", "real-grpo")
     assert rayjob["status"]["jobStatus"] == "SUCCEEDED"
     print(f"\nGRPO: apply->first step {result.first_step_s:.1f}s, wall {result.wall_s:.1f}s, "
           f"final reward {result.final_reward:.3f}")
+
+
+def _assert_the_scheduler_dashboard_is_served(cluster: RealNodeCluster, run: JobRun, timeout_s: float = 60.0) -> None:
+    """status.schedulerDashboardUrl names the RayJob's head Service and the head's port, and the page the driver
+    serves there comes back through the API server's service proxy with the job's status (while the head lives)."""
+    deadline = time.monotonic() + timeout_s
+    seen = "no status.schedulerDashboardUrl"
+    while time.monotonic() < deadline:
+        status = run.poll().get("status") or {}  # poll: JobRun keeps following the steps meanwhile
+        url = status.get("schedulerDashboardUrl")
+        if url:
+            where = urllib.parse.urlsplit(url)
+            service = f"{status['rayJobName']}-head-svc"
+            assert (where.scheme, where.hostname, where.port) == \
+                ("http", f"{service}.{run.namespace}.svc.cluster.local", contract.DASHBOARD_PORT), url
+            proxy = f"/api/v1/namespaces/{run.namespace}/services/{service}:{where.port}/proxy/"
+            page = cluster.kubectl("get", "--raw", proxy, check=False)
+            view = cluster.kubectl("get", "--raw", proxy + "api/view", check=False)
+            if page.returncode == 0 and f"<title>{run.namespace}/{run.name} " in page.stdout and view.returncode == 0:
+                live = json.loads(view.stdout)
+                if live["has_status"] and live["graph"]["nodes"]:
+                    return
+                seen = f"the view has no controller status yet: {live.get('error')}"
+            else:
+                seen = f"{proxy}: {(page.stderr or page.stdout)[-500:]}"
+        time.sleep(1.0)
+    pods = cluster.kubectl("get", "pods", "-n", run.namespace, "-o", "wide", check=False).stdout
+    raise AssertionError(f"the scheduler dashboard of {run.namespace}/{run.name} is not served within "
+                         f"{timeout_s:.0f}s: {seen}\n{pods}")

@@ -1,4 +1,5 @@
-"""The dashboard without a browser or Ray: the view model's numbers, the page, the feed, the server, the CLI."""
+"""The dashboard without a browser: the view model's numbers, the page, the feed, the server, the CLI, and the
+page `hybridflow train` serves on the Ray head (one slow test trains for real)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from hybridflow.control.errors import ControlError
+from hybridflow.control.names import JobRef
 from hybridflow.dashboard import build_view, render_page, report_path, step_split, write_report
 from hybridflow.dashboard.feed import Feed
+from hybridflow.dashboard.head import serve_on_head
 from hybridflow.dashboard.server import DashboardError, bind, url_of
 from hybridflow.dashboard.view import breakdown, curves, decisions, edges, graph, memory, thin
 from hybridflow.metrics import MetricsLog, parse_records
 from tests.conftest import ROOT
+from tests.helpers import wait_for
 
 
 def record(step: int, **over: Any) -> dict[str, Any]:
@@ -243,7 +248,7 @@ def test_the_server_serves_the_page_and_the_view_and_moves_off_a_busy_port(tmp_p
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         page = urllib.request.urlopen(url_of(server), timeout=10).read().decode()
-        assert '"live": "/api/view"' in page
+        assert '"live": "api/view"' in page  # relative: the page also works behind the API server's proxy
         view = json.loads(urllib.request.urlopen(url_of(server) + "api/view", timeout=10).read())
         assert view["curves"]["reward_mean"]["last"] == pytest.approx(0.3) and view["step"] == 3
         with pytest.raises(urllib.error.HTTPError):
@@ -299,3 +304,85 @@ def test_the_cli_serves_a_metrics_file_on_any_free_port(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _get(url: str) -> str:
+    return str(urllib.request.urlopen(url, timeout=30).read().decode())
+
+
+def test_the_head_serves_the_live_page_from_a_daemon_thread() -> None:
+    server = serve_on_head(JobRef("team-a", "tiny"), 0, "127.0.0.1", job=FakeJob())
+    assert server is not None
+    try:
+        page = _get(url_of(server))
+        assert "<title>team-a/tiny · hybridflow</title>" in page and '"live": "api/view"' in page
+        view = json.loads(_get(url_of(server) + "api/view"))
+        assert view["has_status"] and view["step"] == 2 and view["title"] == "team-a/tiny"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_head_port_that_cannot_be_bound_is_a_warning_not_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert serve_on_head(JobRef("team-a", "tiny"), port, "127.0.0.1", job=FakeJob()) is None
+    assert any(r.levelname == "WARNING" and "training goes on" in r.getMessage() for r in caplog.records)
+
+
+def test_before_the_controller_exists_the_head_page_says_what_it_waits_for() -> None:
+    server = serve_on_head(JobRef("team-a", "not-started"), 0, "127.0.0.1")
+    assert server is not None
+    try:
+        assert "team-a/not-started" in _get(url_of(server))
+        view = json.loads(_get(url_of(server) + "api/view"))
+        assert "team-a/not-started" in view["error"] and not view["has_status"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.slow
+def test_train_in_a_pod_of_the_job_serves_the_live_page_while_it_trains(tmp_path: Path) -> None:
+    """`hybridflow train` with the variables the operator sets in every Ray pod: the driver serves the page (here
+    on any free port, in a cluster on the head's named one) with the controller's status, and trains to the end."""
+    import os
+    import signal
+
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-ppo.yaml").read_text())
+    doc["metadata"]["namespace"] = "team-a"  # as in the job's ConfigMap
+    doc["spec"]["data"]["batchSize"] = 64
+    doc["spec"]["trainer"].update(totalSteps=8, checkpoint={"every": 0, "path": str(tmp_path / "ckpt")})
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    env = {**_env(), "HYBRIDFLOW_JOB_NAME": "tiny-ppo", "HYBRIDFLOW_JOB_NAMESPACE": "team-a",
+           "KUBECONFIG": str(tmp_path / "no-kubeconfig")}  # status reports: a warning, and training goes on
+    proc = subprocess.Popen([sys.executable, "-m", "hybridflow", "train", "--local", "--config", str(config),
+                             "--metrics-out", str(tmp_path / "metrics.jsonl"), "--quiet", "--dashboard-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("scheduler dashboard of team-a/tiny-ppo on port "), (line, proc.poll())
+        url = f"http://127.0.0.1:{int(line.split()[-1])}/"
+        assert "<title>team-a/tiny-ppo · hybridflow</title>" in _get(url)
+        views: list[dict[str, Any]] = []
+
+        def stepped() -> bool:
+            views.append(json.loads(_get(url + "api/view")))
+            return bool(views[-1]["has_status"]) and int(views[-1]["step"]) >= 1
+
+        wait_for(stepped, 300, "a step in the live view")
+        assert views[-1]["graph"]["nodes"], views[-1]
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1])["steps"] == 8
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)

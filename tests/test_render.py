@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,21 @@ def test_head_has_no_gpus_and_no_cpus_for_ray() -> None:
     assert env_of(head["template"])["NVIDIA_VISIBLE_DEVICES"] == "void"
     assert {p["name"] for p in container["ports"]} >= {"dashboard", "gcs-server", "client"}
     assert "affinity" not in head["template"]["spec"]
+
+
+def test_the_head_names_the_scheduler_dashboard_port_so_kuberay_exposes_it() -> None:
+    """KubeRay builds its head Services' ports from the head container's ports, each under its name: the
+    names must be unique valid port names (IANA_SVC_NAME), the numbers unique."""
+    head = rayjob_of(example())["spec"]["rayClusterSpec"]["headGroupSpec"]
+    ports = head["template"]["spec"]["containers"][0]["ports"]
+    assert {"name": contract.DASHBOARD_PORT_NAME, "containerPort": contract.DASHBOARD_PORT} in ports
+    port_names = [p["name"] for p in ports]
+    assert len(set(port_names)) == len(port_names) and len({p["containerPort"] for p in ports}) == len(ports)
+    for name in port_names:
+        assert len(name) <= 15 and re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", name) and "--" not in name, name
+        assert re.search("[a-z]", name), name
+    longest = names.head_service_name(names.rayjob_name("x" * 253))
+    assert len(longest) <= 63 and longest.endswith("-head-svc")  # a Service name is a DNS-1035 label
 
 
 def test_one_worker_group_per_pool_sized_from_the_spec() -> None:

@@ -41,3 +41,14 @@ def test_a_failing_patch_never_raises() -> None:
 def test_inactive_outside_a_cluster(monkeypatch) -> None:
     monkeypatch.delenv("HYBRIDFLOW_JOB_NAME", raising=False)
     assert ProgressReporter.from_env() is None
+
+
+def test_the_job_of_a_pod_comes_from_the_variables_the_operator_sets() -> None:
+    """What the reporter and the driver's dashboard both read to know they run in a pod of the job."""
+    from hybridflow.k8s import contract
+
+    assert contract.job_from_env({}) is None
+    assert contract.job_from_env({contract.ENV_JOB_NAME: ""}) is None
+    assert contract.job_from_env({contract.ENV_JOB_NAME: "ppo"}) == ("default", "ppo")
+    assert contract.job_from_env({contract.ENV_JOB_NAME: "ppo", contract.ENV_JOB_NAMESPACE: "team-a"}) \
+        == ("team-a", "ppo")

@@ -5,10 +5,15 @@ from __future__ import annotations
 import copy
 
 import pytest
+import yaml
 
 from hybridflow.api import CONDITION_TYPES, Condition, RLTrainingJobStatus
+from hybridflow.k8s import contract
 from hybridflow.k8s.names import GENERATION_ANNOTATION
+from hybridflow.k8s.render import render_children
+from hybridflow.k8s.settings import RenderSettings
 from hybridflow_operator.status import compute_status, status_changed, transitions, unschedulable
+from tests.conftest import EXAMPLES
 
 T0 = "2025-01-01T00:00:00Z"
 T1 = "2025-01-01T00:05:00Z"
@@ -33,6 +38,15 @@ def rayjob(deployment: str = "", job_status: str = "", applied: int | None = 1, 
     return {"apiVersion": "ray.io/v1", "kind": "RayJob",
             "metadata": {"name": "ppo", "namespace": "ns", "annotations": annotations},
             "spec": {"suspend": suspend}, "status": {k: v for k, v in body.items() if v}}
+
+
+def rendered_rayjob(deployment: str, **status: object) -> tuple[dict, dict]:
+    """(the job, its RayJob as the operator renders it, with this status): examples/tiny-ppo-job.yaml in team-a."""
+    job = yaml.safe_load((EXAMPLES / "tiny-ppo-job.yaml").read_text())
+    job["metadata"].update(namespace="team-a", generation=1, uid="u1")
+    rj = next(c for c in render_children(job, RenderSettings()) if c["kind"] == "RayJob")
+    rj["status"] = {"jobDeploymentStatus": deployment, **status}
+    return job, rj
 
 
 def pod(name: str, phase: str = "Pending", message: str | None = None) -> dict:
@@ -65,6 +79,10 @@ def test_the_patch_fits_the_api_status_model(deployment: str) -> None:
     patch = compute_status(job(), rj, [], T1, None)
     RLTrainingJobStatus.model_validate({k: v for k, v in patch.items() if v is not None})
     assert patch["dashboardUrl"] == "d:8265"
+    _, rendered = rendered_rayjob(deployment, rayClusterName="c", dashboardURL="d:8265", startTime=T0, failed=1)
+    patch = compute_status(job(), rendered, [], T1, None)
+    assert RLTrainingJobStatus.model_validate({k: v for k, v in patch.items() if v is not None}) \
+        .scheduler_dashboard_url == patch["schedulerDashboardUrl"]
 
 
 def test_progress_is_never_part_of_the_patch() -> None:
@@ -119,6 +137,38 @@ def test_mirrors_the_rayjob() -> None:
     assert (status["rayJobName"], status["rayClusterName"], status["dashboardUrl"]) \
         == ("ppo", "ppo-abcde", "ppo-head-svc.ns.svc:8265")
     assert status["startTime"] == T0 and status["completionTime"] is None
+
+
+def test_the_scheduler_dashboard_is_linked_on_the_rayjobs_head_service_while_it_runs() -> None:
+    """The port the rendered head names, on KubeRay's Service for the RayJob (it follows the head across
+    retries), in the domain of KubeRay's own dashboardURL; Ray's dashboard stays in dashboardUrl."""
+    ray_url = "tiny-ppo-x7k2p-head-svc.team-a.svc.cluster.local:8265"
+    tiny, rj = rendered_rayjob("Running", jobStatus="RUNNING", rayClusterName="tiny-ppo-x7k2p", dashboardURL=ray_url)
+    status = compute_status(tiny, rj, [], T0, None)
+    assert status["schedulerDashboardUrl"] == \
+        f"http://tiny-ppo-head-svc.team-a.svc.cluster.local:{contract.DASHBOARD_PORT}"
+    assert status["dashboardUrl"] == ray_url
+    rj["status"]["dashboardURL"] = "tiny-ppo-x7k2p-head-svc.team-a.svc.corp.example:8265"
+    assert compute_status(tiny, rj, [], T0, None)["schedulerDashboardUrl"] == \
+        f"http://tiny-ppo-head-svc.team-a.svc.corp.example:{contract.DASHBOARD_PORT}"
+    del rj["status"]["dashboardURL"]
+    assert compute_status(tiny, rj, [], T0, None)["schedulerDashboardUrl"].endswith(".svc.cluster.local:8266")
+
+
+@pytest.mark.parametrize("deployment", ["", "Initializing", "Retrying", "Complete", "Failed", "Suspended"])
+def test_no_scheduler_dashboard_link_while_nothing_serves_it(deployment: str) -> None:
+    tiny, rj = rendered_rayjob(deployment, rayClusterName="tiny-ppo-x7k2p")
+    assert compute_status(tiny, rj, [], T0, None)["schedulerDashboardUrl"] is None
+    assert compute_status(tiny, None, [], T0, None)["schedulerDashboardUrl"] is None
+
+
+def test_no_scheduler_dashboard_link_when_the_head_does_not_declare_its_port() -> None:
+    """A RayJob rendered before the head served the page keeps its old head (a running RayJob is not re-laid)."""
+    tiny, rj = rendered_rayjob("Running", jobStatus="RUNNING")
+    head = rj["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    head["ports"] = [p for p in head["ports"] if p["name"] != contract.DASHBOARD_PORT_NAME]
+    assert compute_status(tiny, rj, [], T0, None)["schedulerDashboardUrl"] is None
+    assert compute_status(job(), rayjob("Running", "RUNNING"), [], T0, None)["schedulerDashboardUrl"] is None
 
 
 def test_completion_time_from_the_rayjob_end_or_now() -> None:

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.api import CONDITION_TYPES
-from hybridflow.k8s.names import GENERATION_ANNOTATION
+from hybridflow.k8s.contract import DASHBOARD_PORT_NAME
+from hybridflow.k8s.names import GENERATION_ANNOTATION, head_service_name
 
 MAX_MESSAGE = 32768
+DEFAULT_CLUSTER_DOMAIN = "cluster.local"
 
 # RayJob.status.jobDeploymentStatus values (KubeRay v1).
 INITIALIZING = {"", "Initializing", "Waiting"}
@@ -74,12 +76,31 @@ def compute_status(
         "rayJobName": (rayjob or {}).get("metadata", {}).get("name"),
         "rayClusterName": rj_status.get("rayClusterName") or None,
         "dashboardUrl": rj_status.get("dashboardURL") or None,
+        "schedulerDashboardUrl": scheduler_dashboard_url(rayjob, deployment),
         "jobDeploymentStatus": deployment,
         "jobStatus": rj_status.get("jobStatus") or None,
         "startTime": previous.get("startTime") or rj_status.get("startTime"),
         "completionTime": _completion_time(deployment, rj_status, previous, now),
         "restarts": _restarts(deployment, rj_status),
     }
+
+
+def scheduler_dashboard_url(rayjob: Mapping[str, Any] | None, deployment: str | None) -> str | None:
+    """The live scheduler dashboard the driver serves on the Ray head, through the RayJob's head Service.
+
+    Only while the RayJob runs (before, nothing listens; after, its cluster is gone) and only when its head
+    declares the port (a RayJob rendered before the head served it does not). The DNS domain is the one
+    KubeRay's own dashboardURL uses.
+    """
+    if rayjob is None or deployment != RUNNING:
+        return None
+    port = _head_port(rayjob, DASHBOARD_PORT_NAME)
+    if port is None:
+        return None
+    meta = rayjob.get("metadata") or {}
+    host = str((rayjob.get("status") or {}).get("dashboardURL") or "").split("://")[-1].rsplit(":", 1)[0]
+    domain = host.partition(".svc.")[2] or DEFAULT_CLUSTER_DOMAIN
+    return f"http://{head_service_name(meta['name'])}.{meta.get('namespace') or 'default'}.svc.{domain}:{port}"
 
 
 def reported(job: Mapping[str, Any]) -> bool:
@@ -216,6 +237,16 @@ def _suspended(suspend: bool, rayjob: Mapping[str, Any] | None, job: Mapping[str
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+
+
+def _head_port(rayjob: Mapping[str, Any], name: str) -> int | None:
+    """The number of the head container's port called `name`, as the RayJob declares it."""
+    head = ((rayjob.get("spec") or {}).get("rayClusterSpec") or {}).get("headGroupSpec") or {}
+    for container in ((head.get("template") or {}).get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == name and port.get("containerPort"):
+                return int(port["containerPort"])
+    return None
 
 
 def _applied_generation(rayjob: Mapping[str, Any] | None) -> int | None:

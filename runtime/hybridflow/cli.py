@@ -89,6 +89,8 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
         print(SpecError(config, problems).render(), file=sys.stderr)
         return 1
     metrics_out = args.metrics_out or default_metrics_path(job, local)
+    if contract.job_from_env() is not None:  # a pod of the job: the driver, on the Ray head, serves the live page
+        _serve_dashboard(job, getattr(args, "dashboard_port", contract.DASHBOARD_PORT))
     from hybridflow.trackers import TrackerSet, namespaced, open_trackers
 
     console = TrackerSet({}) if args.quiet else open_trackers(job, ("console",))
@@ -111,6 +113,16 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
     written = metrics_out if "jsonl" in job.spec.trainer.loggers.backends else None
     _summarise(result, written, time.perf_counter() - t0)
     return 0
+
+
+def _serve_dashboard(job: RLTrainingJob, port: int) -> None:
+    from hybridflow.control.names import job_ref
+    from hybridflow.dashboard.head import serve_on_head
+
+    ref = job_ref(job.metadata.name, job.metadata.namespace)
+    server = serve_on_head(ref, port)
+    if server is not None:
+        print(f"scheduler dashboard of {ref} on port {server.server_address[1]}", flush=True)
 
 
 def _summarise(result: dict[str, Any], metrics_out: str | None, seconds: float) -> None:
@@ -158,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--metrics-out")
     train.add_argument("--local", action="store_true", help="start Ray in-process instead of joining one")
     train.add_argument("--quiet", action="store_true")
+    train.add_argument("--dashboard-port", type=int, default=contract.DASHBOARD_PORT,
+                       help="where the driver serves the live scheduler dashboard when it runs in a pod of the job "
+                            "(default: %(default)d, the head's named port; 0: any free one)")
     train.set_defaults(fn=cmd_train)
     val = sub.add_parser("validate", help="check job files; every problem with its field path")
     val.add_argument("files", nargs="+")

@@ -55,10 +55,10 @@ class ProgressReporter:
     @classmethod
     def from_env(cls) -> ProgressReporter | None:
         """Active when HYBRIDFLOW_JOB_NAME is set (the operator sets it in every pod)."""
-        name = os.environ.get(contract.ENV_JOB_NAME)
-        if not name:
+        found = contract.job_from_env()
+        if found is None:
             return None
-        namespace = os.environ.get(contract.ENV_JOB_NAMESPACE, "default")
+        namespace, name = found
         interval = float(os.environ.get(contract.ENV_PROGRESS_INTERVAL, "5"))
         try:
             return cls(name, namespace, kubernetes_patcher(), interval)

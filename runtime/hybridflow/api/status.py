@@ -43,6 +43,9 @@ class RLTrainingJobStatus(ApiModel):
     ray_job_name: str | None = None
     ray_cluster_name: str | None = None
     dashboard_url: str | None = None
+    """Ray's dashboard (the RayJob's dashboardURL)."""
+    scheduler_dashboard_url: str | None = None
+    """hybridflow's live scheduler dashboard, served by the driver on the Ray head while the job runs."""
     job_deployment_status: str | None = None
     job_status: str | None = None
     start_time: str | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -13,6 +14,9 @@ from hybridflow.dashboard.page import render_page
 
 log = logging.getLogger(__name__)
 VIEW_PATH = "/api/view"
+LIVE_URL = VIEW_PATH.lstrip("/")
+"""What the page fetches: relative, so the page also works behind a path prefix (the API server's service
+proxy, /api/v1/namespaces/NS/services/SVC:PORT/proxy/)."""
 PORT_TRIES = 10
 
 
@@ -25,7 +29,7 @@ def make_handler(feed: Feed, refresh_s: float) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path in ("/", "/index.html"):
-                self._send(200, "text/html; charset=utf-8", render_page(feed.view(), VIEW_PATH, refresh_s))
+                self._send(200, "text/html; charset=utf-8", render_page(feed.view(), LIVE_URL, refresh_s))
             elif path == VIEW_PATH:
                 self._send(200, "application/json", json.dumps(feed.view(), allow_nan=False))
             elif path == "/healthz":
@@ -64,6 +68,14 @@ def bind(feed: Feed, host: str, port: int, refresh_s: float = 2.0, tries: int = 
         return server
     raise DashboardError(f"ports {port}-{port + tries - 1} on {host} are all in use ({last and last.strerror}); "
                          "pass another --port, or --port 0 for any free one")
+
+
+def serve_in_background(feed: Feed, host: str, port: int, refresh_s: float = 2.0,
+                        tries: int = PORT_TRIES) -> ThreadingHTTPServer:
+    """`bind`, then serve from a daemon thread: the server lives as long as the process, or until `shutdown()`."""
+    server = bind(feed, host, port, refresh_s, tries)
+    threading.Thread(target=server.serve_forever, name="hybridflow-dashboard", daemon=True).start()
+    return server
 
 
 def url_of(server: ThreadingHTTPServer) -> str:

@@ -3,6 +3,8 @@ the entrypoint, the Ray resource that pins work to a pool, and the timestamp for
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from datetime import UTC, datetime
 
 CONFIG_DIR = "/etc/hybridflow"
@@ -18,10 +20,22 @@ ENV_CONFIG = "HYBRIDFLOW_CONFIG"
 ENV_PROGRESS_INTERVAL = "HYBRIDFLOW_PROGRESS_INTERVAL"
 """Optional: seconds between two status.progress patches (default 5)."""
 
+DASHBOARD_PORT = 8266
+DASHBOARD_PORT_NAME = "hf-dashboard"
+"""The head container's port where `hybridflow train` serves the live scheduler dashboard. KubeRay's head
+Services expose every port the head container names; status.schedulerDashboardUrl points at it."""
+
 ENTRYPOINT = f"python -m hybridflow train --config {CONFIG_PATH}"
 
 POOL_RESOURCE_PREFIX = "pool_"
 TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def job_from_env(env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """(namespace, name) of the job whose pod this process runs in, or None outside a cluster."""
+    env = os.environ if env is None else env
+    name = env.get(ENV_JOB_NAME)
+    return (env.get(ENV_JOB_NAMESPACE) or "default", name) if name else None
 
 
 def pool_resource(pool: str) -> str:

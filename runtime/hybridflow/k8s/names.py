@@ -51,6 +51,12 @@ def rayjob_name(job_name: str) -> str:
     return f"{prefix}-{short_hash(job_name)}"
 
 
+def head_service_name(rayjob: str) -> str:
+    """KubeRay's Service for a RayJob's head: named after the RayJob, it follows the head across retries (the
+    RayCluster's own, `<rayClusterName>-head-svc`, changes with each new cluster). <= 56 characters."""
+    return f"{rayjob}-head-svc"
+
+
 def config_map_name(job_name: str) -> str:
     return f"{job_name}-config"
 

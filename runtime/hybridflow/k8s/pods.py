@@ -20,14 +20,24 @@ from dataclasses import dataclass
 
 from hybridflow.api import Cluster
 from hybridflow.api.schema import CpuAmount, cpu_cores
-from hybridflow.k8s.contract import CONFIG_DIR, CONFIG_PATH, ENV_CONFIG, ENV_JOB_NAME, ENV_JOB_NAMESPACE, pool_resource
+from hybridflow.k8s.contract import (
+    CONFIG_DIR,
+    CONFIG_PATH,
+    DASHBOARD_PORT,
+    DASHBOARD_PORT_NAME,
+    ENV_CONFIG,
+    ENV_JOB_NAME,
+    ENV_JOB_NAMESPACE,
+    pool_resource,
+)
 from hybridflow.k8s.layout import WorkerGroupPlan
 from hybridflow.k8s.names import JOB_LABEL, POOL_LABEL, RAY_GROUP_LABEL
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
-HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001))
+HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001), (DASHBOARD_PORT_NAME, DASHBOARD_PORT))
+"""Ray's ports, and the scheduler dashboard the driver serves on the head (KubeRay's head Services expose each)."""
 _CONFIG_VOLUME = "hybridflow-config"
 _SHM_VOLUME = "dshm"
 
