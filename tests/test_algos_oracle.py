@@ -5,11 +5,12 @@ builds it once under $HYBRIDFLOW_CACHE; hybridflow does not depend on verl), as 
 seeded random inputs, in float64. Where the environment cannot be built (no network) the test skips, except
 under CI=true, where it fails.
 
-Agreement asked: |ours - verl| <= 1e-10 + 1e-9 * |verl| on every advantage, return, loss and gradient entry,
-except GSPO under seq-mean-token-mean: verl divides each sequence's token sum by (|y| + 1e-8), hybridflow by
-|y|, a relative difference of up to 1e-8 per sequence (|y| = 1), so there the bound is 2e-8 * (1 + |verl|)
-(absolute as well as relative: a loss that sums terms of both signs can be much smaller than its terms, which
-are of order 1 here).
+Agreement asked: |ours - verl| <= 1e-9 + 1e-8 * |verl| on every advantage, return, loss, gradient entry and
+clip fraction. The formulas are the same; verl's masked mean divides by (n + 1e-8) where hybridflow divides
+by n, a relative difference of 1e-8 / n (measured at most 2.7e-10 on these inputs; RLOO, which takes no masked
+mean, agrees to 2e-16). GSPO under seq-mean-token-mean divides each sequence's sum by (|y| + 1e-8), up to
+1e-8 relative per sequence (|y| = 1), so there the bound is 2e-8 * (1 + |verl|) (absolute as well: a loss
+summing terms of both signs can be much smaller than its terms, which are of order 1 here; measured 3e-9).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from tests.helpers import unavailable
 
 ORACLE = Path(__file__).resolve().parent / "oracle"
 SEEDS = range(5)
-RTOL, ATOL = 1e-9, 1e-10
+RTOL, ATOL = 1e-8, 1e-9
 TOL_SEQ_MEAN_TOKEN_MEAN = 2e-8
 BATCH, TOKENS = 18, 7
 GROUP_SIZES = (4, 5, 1, 6, 2)  # a lone sample included: verl gives it no baseline, and so does hybridflow
