@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # install to a minute or two.
 VENV_STAMP := $(VENV)/.installed-$(firstword $(shell cksum < pyproject.toml))
 
-.PHONY: all venv run run-grpo test test-real-nodes lint unit e2e e2e-kind toolchain node-packages images cluster-up cluster-up-kwok cluster-down bench clean
+.PHONY: all venv run run-grpo verl-oracle test test-real-nodes lint unit e2e e2e-kind toolchain node-packages images cluster-up cluster-up-kwok cluster-down bench clean
 
 all: test
 
@@ -31,6 +31,11 @@ run: venv
 
 run-grpo: venv
 	$(PYTHON) -m hybridflow run examples/tiny-grpo.yaml
+
+# verl's reference implementations for tests/test_algos_oracle.py, in a venv of their own under
+# $(HYBRIDFLOW_CACHE) (hybridflow does not depend on verl); the test builds it on first use too.
+verl-oracle:
+	bash tests/oracle/setup-verl-oracle.sh
 
 lint: venv
 	$(PYTHON) -m ruff check .

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from hybridflow.api.spec import GROUP_ALGORITHMS
+
 
 def node(name: str, role: str, pool: str = "actor", parallelism: int = 1, **resources: float) -> dict:
     return {"name": name, "role": role, "resources": resources, "parallelism": parallelism, "pool": pool}
@@ -42,7 +44,7 @@ Mutation = Callable[[dict], None]
 def with_graph(change: Callable[[dict], dict], algorithm: str = "ppo") -> Mutation:
     def apply(doc: dict) -> None:
         doc["spec"]["algorithm"]["name"] = algorithm
-        if algorithm == "grpo":
+        if algorithm in GROUP_ALGORITHMS:
             doc["spec"]["rollout"]["samplesPerPrompt"] = 2
         doc["spec"]["graph"] = change(ppo_graph())
 
@@ -78,6 +80,8 @@ RULES: dict[str, tuple[Mutation, str]] = {
                        "spec.graph.nodes: 2 nodes have role reference (ref, ref2); allowed: exactly one"),
     "critic in grpo": (with_graph(lambda g: g, algorithm="grpo"),
                        "spec.graph.nodes[3]: grpo trains no critic, so node 'critic' would never be used"),
+    "critic in rloo": (with_graph(lambda g: g, algorithm="rloo"),
+                       "spec.graph.nodes[3]: rloo trains no critic, so node 'critic' would never be used"),
     "remote reward without an edge from the actor": (
         with_graph(lambda g: add_remote(drop(g, "score"), "score", "reward", edge=False)),
         "spec.graph.edges: node 'score' (reward) does not share the actor's process, so it needs a data edge "

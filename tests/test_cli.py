@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -144,3 +147,82 @@ def test_train_reads_its_job_from_the_config_variable_the_operator_sets(monkeypa
     monkeypatch.delenv(contract.ENV_CONFIG)
     assert cli.main(["train"]) == 1
     assert contract.ENV_CONFIG in capsys.readouterr().err
+
+
+# -- version, standard input, shell completion ------------------------------------------------------------
+
+
+def test_version_prints_the_package_version() -> None:
+    from hybridflow import __version__
+
+    out = hybridflow("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"hybridflow {__version__}"
+
+
+def test_validate_reads_standard_input(example_doc) -> None:
+    for text in (yaml.safe_dump(example_doc("tiny-grpo.yaml")), json.dumps(example_doc("tiny-ppo.yaml"))):
+        out = subprocess.run([sys.executable, "-m", "hybridflow", "validate", "-"], input=text,
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("<stdin>: valid ")
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["algorithm"]["name"] = "rloo"
+    doc["spec"]["rollout"]["samplesPerPrompt"] = 1
+    out = subprocess.run([sys.executable, "-m", "hybridflow", "validate", "-"], input=yaml.safe_dump(doc),
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert_clean_failure(out, "<stdin>: 1 problem", "rollout.samplesPerPrompt must be at least 2 for rloo")
+
+
+def completion_script(shell: str) -> str:
+    out = hybridflow("completion", shell)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def complete_in_bash(script: str, *words: str) -> list[str]:
+    """What the script offers for `words` (the last one being typed), in a bash subprocess."""
+    line = " ".join(shlex.quote(w) for w in words)
+    probe = (f"source {shlex.quote(script)}\n"
+             f"COMP_WORDS=({line}); COMP_CWORD=$((${{#COMP_WORDS[@]}} - 1)); _hybridflow\n"
+             'printf "%s\\n" "${COMPREPLY[@]}"\n')
+    out = subprocess.run(["bash", "--norc", "--noprofile", "-c", probe], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return [w for w in out.stdout.splitlines() if w]
+
+
+def test_bash_completion_registers_and_completes_commands_options_and_choices(tmp_path) -> None:
+    script = tmp_path / "hybridflow.bash"
+    script.write_text(completion_script("bash"))
+    registered = subprocess.run(["bash", "--norc", "--noprofile", "-c", f"source {script} && complete -p hybridflow"],
+                                capture_output=True, text=True, timeout=30)
+    assert registered.returncode == 0, registered.stderr
+    assert registered.stdout.strip() == "complete -o bashdefault -o default -F _hybridflow hybridflow"
+    s = str(script)
+    assert complete_in_bash(s, "hybridflow", "") == ["run", "train", "validate", "render", "ctl", "dashboard",
+                                                       "completion"]
+    assert complete_in_bash(s, "hybridflow", "va") == ["validate"]
+    assert complete_in_bash(s, "hybridflow", "--ver") == ["--verbose", "--version"]
+    assert complete_in_bash(s, "hybridflow", "completion", "") == ["bash", "zsh"]
+    assert complete_in_bash(s, "hybridflow", "ctl", "s") == ["status", "scale"]
+    assert complete_in_bash(s, "hybridflow", "-v", "run", "--steps", "3", "--q") == ["--quiet"]
+    # An option's value and a job file: nothing from the script, so bash completes file names (-o default).
+    assert complete_in_bash(s, "hybridflow", "run", "--metrics-out", "") == []
+    assert complete_in_bash(s, "hybridflow", "validate", "") == []
+
+
+def test_zsh_completion_is_a_compdef_function_with_the_same_commands() -> None:
+    text = completion_script("zsh")
+    assert text.startswith("#compdef hybridflow\n")
+    assert "compdef _hybridflow hybridflow" in text
+    assert '"") subs=(run train validate render ctl dashboard completion)' in text
+    assert '"completion") subs=(); opts=(-h --help); choices=(bash zsh) ;;' in text
+    if shutil.which("zsh"):
+        checked = subprocess.run(["zsh", "-n"], input=text, capture_output=True, text=True, timeout=30)
+        assert checked.returncode == 0, checked.stderr
+
+
+def test_completion_refuses_other_shells() -> None:
+    out = hybridflow("completion", "fish")
+    assert out.returncode == 2
+    assert "invalid choice: 'fish'" in out.stderr

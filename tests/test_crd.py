@@ -100,7 +100,9 @@ def test_optional_fields_are_nullable_and_enums_come_from_literals(schema: dict[
     # A null here means "disabled", so it must survive: nullable, yet defaulted when absent.
     dual = at(schema, ".spec.algorithm.dualClipC")
     assert dual["nullable"] is True and dual["default"] == 3.0
-    assert at(schema, ".spec.algorithm.name")["enum"] == ["ppo", "grpo"]
+    assert at(schema, ".spec.algorithm.name")["enum"] == [
+        "ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+    assert at(schema, ".spec.algorithm.policyLoss")["enum"] == ["vanilla", "gspo"]
     assert at(schema, ".spec.rollout.engine")["enum"] == ["torch", "vllm"]
     top_p = at(schema, ".spec.rollout.topP")
     assert (top_p["minimum"], top_p["exclusiveMinimum"], top_p["maximum"]) == (0.0, True, 1.0)
@@ -526,6 +528,16 @@ REJECTED = [
         "grpo-one-sample",
         {"algorithm": {"name": "grpo"}, "rollout": {"samplesPerPrompt": 1}},
         "rollout.samplesPerPrompt must be at least 2 for grpo",
+    ),
+    (
+        "rloo-one-sample",
+        {"algorithm": {"name": "rloo"}, "rollout": {"samplesPerPrompt": 1}},
+        "rollout.samplesPerPrompt must be at least 2 for rloo (its baseline comes from the other samples",
+    ),
+    (
+        "rpp-baseline-one-sample",
+        {"algorithm": {"name": "reinforce_plus_plus_baseline"}},
+        "rollout.samplesPerPrompt must be at least 2 for reinforce_plus_plus_baseline",
     ),
     (
         "minibatch-too-big",

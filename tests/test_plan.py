@@ -100,6 +100,33 @@ def test_one_step_table_for_every_role() -> None:
     assert STEP_OF_ROLE["actor_rollout"].name == "old_log_probs"
 
 
+@pytest.mark.parametrize("algorithm", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_the_other_critic_free_algorithms_run_grpos_graph_and_plan(example_doc, algorithm: str) -> None:
+    grpo = spec_of(example_doc, "tiny-grpo.yaml")
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["algorithm"]["name"] = algorithm
+    spec = parse_job(doc).spec
+    graph = trainable_graph(spec, "GPU", parallelism=4)
+    assert graph.name == algorithm
+    assert [(n.name, n.role, n.pool) for n in graph.nodes] == [
+        (n.name, n.role, n.pool) for n in trainable_graph(grpo, "GPU", parallelism=4).nodes]
+    plan = step_plan(trainable_graph(spec, "CPU"), spec)
+    assert plan.critic is None and plan.phases == ("rollout", "advantages", "update")
+    assert REQUIRED_ROLES[algorithm] == ("actor_rollout", "reward")
+    doc["spec"]["graph"] = drop(drop(ppo_graph(), "score"), "critic")
+    spec = parse_job(doc).spec
+    assert training_problems(DataflowGraph.from_spec(spec.graph), spec) == [
+        f"spec.graph.nodes: {algorithm} needs a node with role reward"]
+
+
+def test_ppo_without_a_critic_names_the_critic_free_algorithms(example_doc) -> None:
+    spec = spec_of(example_doc, "tiny-ppo.yaml", graph=drop(ppo_graph(), "critic"))
+    assert spec.graph is not None
+    problems = training_problems(DataflowGraph.from_spec(spec.graph), spec)
+    assert problems == ["spec.graph.nodes: ppo needs a node with role critic (or set spec.algorithm.name to grpo, "
+                        "rloo or reinforce_plus_plus, which need none)"]
+
+
 def test_grpo_on_one_actor_is_one_call_per_step(example_doc) -> None:
     spec = spec_of(example_doc, "tiny-grpo.yaml")
     plan = step_plan(trainable_graph(spec, "CPU"), spec)

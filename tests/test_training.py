@@ -70,6 +70,35 @@ def test_grpo_improves_without_a_critic(example_doc, tmp_path) -> None:
     assert end > recs[0]["reward_mean"] + 0.15
 
 
+# The tiny GRPO job with only the algorithm changed, 80 steps (as shipped) for GSPO, 48 for the others. Measured
+# on 2 cores, mean reward of the last 5 steps at 48 / 80 steps (from 0.06 at step 1):
+#   grpo 0.76 / 0.99 (>= 0.9 from step 51); grpo + policyLoss gspo 0.62 / 0.99 (>= 0.9 from step 59);
+#   rloo 0.55 / 0.69; reinforce_plus_plus 0.60 / 0.69; reinforce_plus_plus_baseline 0.37 / 0.69.
+# rloo and both REINFORCE++ learn but do not reach 0.9 within the job's 80 steps at its actorLr (best step
+# 0.84-0.86): unlike GRPO their advantages are not divided by each group's std, which on this binary reward
+# makes GRPO's steps on nearly solved prompts several times larger.
+LEARNS = [("grpo", "gspo", 80, 0.9), ("rloo", "vanilla", 48, 0.2), ("reinforce_plus_plus", "vanilla", 48, 0.2),
+          ("reinforce_plus_plus_baseline", "vanilla", 48, 0.2)]
+
+
+@pytest.mark.parametrize(("name", "policy_loss", "steps", "bar"), LEARNS, ids=[f"{n}-{p}" for n, p, _, _ in LEARNS])
+def test_each_critic_free_algorithm_learns_the_tiny_task(example_doc, tmp_path, name: str, policy_loss: str,
+                                                         steps: int, bar: float) -> None:
+    """GSPO reaches a mean reward of 0.9; the others gain `bar` over the first step's reward."""
+    job = tiny_job(example_doc, "tiny-grpo.yaml", tmp_path, steps=steps)
+    job.spec.algorithm.name = name
+    job.spec.algorithm.policy_loss = policy_loss
+    run_training(job, str(tmp_path / "m.jsonl"))
+    recs = read_metrics(tmp_path / "m.jsonl")
+    assert "critic_loss" not in recs[-1]
+    rewards = [r["reward_mean"] for r in recs]
+    best = max(sum(rewards[i - 5:i]) / 5 for i in range(5, len(rewards) + 1))
+    if bar >= 0.9:
+        assert best >= bar, rewards
+    else:
+        assert sum(rewards[-5:]) / 5 > rewards[0] + bar, rewards
+
+
 def test_resume_gives_the_same_metrics_as_a_straight_run(example_doc, tmp_path) -> None:
     straight = tiny_job(example_doc, "tiny-ppo.yaml", tmp_path / "a", steps=6, every=3)
     run_training(straight, str(tmp_path / "a.jsonl"))

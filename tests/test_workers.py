@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridflow import algos
 from hybridflow.advantages import compute_advantages
 from hybridflow.api import parse_job
 from hybridflow.checkpoint import OWNER_FILE, Superseded, check_owner, claim, commit, latest, prune, staging_dir
@@ -52,6 +53,40 @@ def test_one_ppo_step_in_process(ppo_spec) -> None:
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert actor.policy_version() == 1
     assert "critic_loss" in critic.update(batch, 0.001).metrics
+
+
+@pytest.mark.parametrize(("name", "policy_loss"), [("rloo", "vanilla"), ("reinforce_plus_plus", "vanilla"),
+                                                  ("reinforce_plus_plus_baseline", "vanilla"), ("grpo", "gspo")])
+def test_one_critic_free_step_in_process(example_doc, name: str, policy_loss: str) -> None:
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["data"]["batchSize"] = 4
+    doc["spec"]["rollout"]["samplesPerPrompt"] = 4
+    doc["spec"]["algorithm"].update(name=name, policyLoss=policy_loss, miniBatchSize=8,
+                                    klPenalty={"type": "low_var_kl", "coef": 0.01, "mode": "reward"})
+    spec = parse_job(doc).spec
+    actor = WorkerHost(spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
+    r, _ = rows(4)
+    batch = actor.rollout([row for row in r for _ in range(4)], [i for i in range(4) for _ in range(4)],
+                          ["reward", "reference", "old_log_probs"])
+    compute_advantages(batch, spec, kl_coef=0.01)
+    mask = batch.response_mask.float()
+    rewards, _ = algos.apply_kl_to_rewards(algos.scores_to_token_rewards(batch.tensors["scores"], mask),
+                                           batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], mask,
+                                           0.01, "low_var_kl")
+    seq = (rewards * mask).sum(-1)
+    expected = {
+        "rloo": lambda: algos.compute_rloo_advantages(seq, batch.group_ids).unsqueeze(-1) * mask,
+        "reinforce_plus_plus": lambda: algos.compute_reinforce_plus_plus_advantages(rewards, mask, 1.0)[0],
+        "reinforce_plus_plus_baseline": lambda: algos.compute_reinforce_plus_plus_baseline_advantages(
+            seq, batch.group_ids, mask),
+        "grpo": lambda: algos.compute_grpo_advantages(seq, batch.group_ids).unsqueeze(-1) * mask,
+    }[name]()
+    assert torch.allclose(batch.tensors["advantages"], expected)
+    before = [p.detach().clone() for p in actor.workers["actor_rollout"].model.parameters()]
+    out = actor.update(batch, 0.01).metrics
+    assert {"actor_loss", "clip_frac", "approx_kl", "ratio_mean"} <= set(out)
+    after = list(actor.workers["actor_rollout"].model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def test_training_on_another_policy_version_is_an_error(ppo_spec) -> None:

@@ -1,5 +1,6 @@
-"""`python -m hybridflow_operator`: run the operator (kopf) with settings from the environment and flags.
+"""`hybridflow-operator`: run the operator (kopf) with settings from the environment and flags.
 
+The console script and `python -m hybridflow_operator` (what the chart's Deployment runs) are the same.
 Flags override the HYBRIDFLOW_* environment variables of the same meaning: both are read by one
 parser (settings.from_env), and the settings reach the handlers through kopf's memo.
 """
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 import kopf
 import uvloop
 
-from hybridflow_operator import lifecycle
+from hybridflow_operator import __version__, lifecycle
 from hybridflow_operator.metrics import OperatorMetrics
 from hybridflow_operator.settings import SettingsError, from_env
 
@@ -46,6 +47,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--metrics-port", help="port of the Prometheus /metrics endpoint (default 8081; 0 disables)")
     p.add_argument("--standalone", action="store_true",
                    help="accepted for clarity: the operator always runs standalone (one replica, no peering)")
+    p.add_argument("--version", action="version", version=f"hybridflow-operator {__version__}")
     p.add_argument("--liveness", default=os.environ.get("HYBRIDFLOW_LIVENESS", DEFAULT_LIVENESS),
                    help=f"kopf liveness endpoint (default {DEFAULT_LIVENESS}; empty disables)")
     return p.parse_args(argv)

@@ -8,7 +8,12 @@ from hybridflow.workers.batch import RolloutBatch
 
 
 def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: float) -> dict[str, float]:
-    """Token rewards (score on the last token, minus beta*KL when mode=reward), then GAE or GRPO."""
+    """Token rewards (score on the last token, minus beta*KL when mode=reward), then the algorithm's estimator.
+
+    ppo: GAE on the critic's values; grpo, rloo, reinforce_plus_plus_baseline: one advantage per sequence
+    from its group (the sum of its token rewards against the other samples of its prompt), on every
+    valid token; reinforce_plus_plus: discounted per-token returns, whitened over the batch.
+    """
     algo = spec.algorithm
     mask = batch.response_mask.float()
     scores = batch.tensors["scores"]
@@ -21,14 +26,22 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
         else:
             kl = float(algos.masked_mean(algos.kl_penalty(old, ref, algo.kl_penalty.type), mask))
         out["kl"] = float(kl)
+    seq = (token_rewards * mask).sum(-1)
     if algo.name == "ppo":
         adv, ret = algos.compute_gae(token_rewards, batch.tensors["values"], mask, algo.gamma, algo.lam)
         if algo.normalize_advantages:
             adv = algos.masked_whiten(adv, mask)
         batch.tensors["returns"] = ret
         out["value_mean"] = float(algos.masked_mean(batch.tensors["values"], mask))
+    elif algo.name == "reinforce_plus_plus":
+        adv, _ = algos.compute_reinforce_plus_plus_advantages(token_rewards, mask, algo.gamma,
+                                                              whiten=algo.normalize_advantages)
+    elif algo.name == "reinforce_plus_plus_baseline":
+        adv = algos.compute_reinforce_plus_plus_baseline_advantages(seq, batch.group_ids, mask,
+                                                                    whiten=algo.normalize_advantages)
+    elif algo.name == "rloo":
+        adv = algos.compute_rloo_advantages(seq, batch.group_ids).unsqueeze(-1) * mask
     else:
-        seq = (token_rewards * mask).sum(-1)
         adv = algos.compute_grpo_advantages(seq, batch.group_ids, normalize_std=algo.normalize_advantages)
         adv = adv.unsqueeze(-1) * mask
     batch.tensors["advantages"] = adv

@@ -1,4 +1,8 @@
-"""PPO and GRPO math as pure functions on torch tensors.
+"""PPO, GRPO, RLOO, REINFORCE++ and GSPO math as pure functions on torch tensors.
+
+Advantage estimators: compute_gae (PPO, with a critic), compute_grpo_advantages, compute_rloo_advantages,
+compute_reinforce_plus_plus_advantages and compute_reinforce_plus_plus_baseline_advantages (no critic).
+Policy losses: ppo_policy_loss (token-level ratio) and gspo_policy_loss (sequence-level ratio, gspo_ratio).
 
 Shapes: B sequences, T response tokens, V vocabulary entries. Token tensors are [B, T], right-padded,
 with ``mask`` 1 on valid response tokens and 0 on padding. Nothing here does I/O or knows about Ray;
@@ -19,9 +23,16 @@ __all__ = [
     "FixedKLController",
     "agg_loss",
     "apply_kl_to_rewards",
+    "compute_discounted_returns",
     "compute_gae",
     "compute_grpo_advantages",
+    "compute_reinforce_plus_plus_advantages",
+    "compute_reinforce_plus_plus_baseline_advantages",
+    "compute_rloo_advantages",
     "entropy_from_logits",
+    "gspo_log_ratio",
+    "gspo_policy_loss",
+    "gspo_ratio",
     "kl_penalty",
     "logprobs_from_logits",
     "masked_mean",
@@ -38,6 +49,9 @@ KL_KINDS: tuple[str, ...] = ("kl", "abs", "mse", "low_var_kl")
 
 # exp() of a log-ratio beyond this is inf or 0 in float32; clamping keeps losses finite.
 _LOG_RATIO_CLAMP = 20.0
+# GSPO's sequence ratio is clamped above at exp(10) (~2e4, far outside any clip range), as verl does: a
+# length-normalised log-ratio that large means the sequence is off-policy, and its clipped term wins anyway.
+_GSPO_LOG_RATIO_MAX = 10.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -189,6 +203,20 @@ def _group_index(group_ids: torch.Tensor | Sequence[Hashable], n: int, device: t
     return index.to(device)
 
 
+def _group_stats(r: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group: (count, mean) of the sequences' scores ``r`` [B], with ``index`` [B] in 0..G-1."""
+    num_groups = int(index.max().item()) + 1 if index.numel() else 0
+    count = torch.zeros(num_groups, dtype=r.dtype, device=r.device).index_add_(0, index, torch.ones_like(r))
+    total = torch.zeros_like(count).index_add_(0, index, r)
+    return count, total / count.clamp_min(1.0)
+
+
+def _sequence_scores(scores: torch.Tensor) -> torch.Tensor:
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be 1-D [B], got shape {tuple(scores.shape)}")
+    return scores if scores.is_floating_point() else scores.float()
+
+
 @torch.no_grad()
 def compute_grpo_advantages(
     scores: torch.Tensor,
@@ -204,15 +232,9 @@ def compute_grpo_advantages(
     mean_g and std_g are over the sequences sharing i's group id; std_g is the unbiased (n - 1)
     standard deviation, as torch.std computes it. A group of one sequence gets advantage 0.
     """
-    if scores.dim() != 1:
-        raise ValueError(f"scores must be 1-D [B], got shape {tuple(scores.shape)}")
-    r = scores if scores.is_floating_point() else scores.float()
+    r = _sequence_scores(scores)
     index = _group_index(group_ids, r.numel(), r.device)
-    num_groups = int(index.max().item()) + 1 if index.numel() else 0
-
-    count = torch.zeros(num_groups, dtype=r.dtype, device=r.device).index_add_(0, index, torch.ones_like(r))
-    total = torch.zeros_like(count).index_add_(0, index, r)
-    mean = total / count
+    count, mean = _group_stats(r, index)
     centered = r - mean[index]
     if not normalize_std:
         advantages = centered
@@ -221,6 +243,88 @@ def compute_grpo_advantages(
         std = torch.sqrt(sq / (count - 1).clamp_min(1.0))
         advantages = centered / (std[index] + eps)
     return torch.where(count[index] > 1, advantages, torch.zeros_like(advantages))
+
+
+@torch.no_grad()
+def compute_rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence[Hashable]) -> torch.Tensor:
+    """REINFORCE Leave-One-Out advantages, one per sequence: [B] -> [B].
+
+        A_i = r_i - 1/(n-1) * sum_{j in g, j != i} r_j  =  n/(n-1) * (r_i - mean_g)
+
+    n is the size of i's group (the samples of one prompt): each sample's baseline is the mean score of
+    the others, which does not depend on the sample itself, so the estimate stays unbiased (Ahmadian et
+    al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback
+    in LLMs", arXiv:2402.14740). Not normalised by a std. A group of one sequence has no others: its
+    baseline is 0 and A_i = r_i (as verl's `rloo` estimator does).
+    """
+    r = _sequence_scores(scores)
+    index = _group_index(group_ids, r.numel(), r.device)
+    count, mean = _group_stats(r, index)
+    n = count[index]
+    loo = n / (n - 1).clamp_min(1.0) * (r - mean[index])
+    return torch.where(n > 1, loo, r)
+
+
+@torch.no_grad()
+def compute_discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Discounted reward-to-go over response tokens, [B, T] -> [B, T]:  G_t = r_t + gamma * G_{t+1}.
+
+    G after the last valid token is 0. Masked positions are skipped (their rewards ignored, the running
+    return carried through them unchanged) and are 0 in the output. No gradient flows.
+    """
+    valid = mask.bool()
+    r = torch.where(valid, token_rewards, torch.zeros_like(token_rewards))
+    m = valid.to(r.dtype)
+    returns = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[-1])):
+        g = r[:, t] + gamma * running
+        returns[:, t] = m[:, t] * g
+        running = m[:, t] * g + (1.0 - m[:, t]) * running
+    return returns
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_advantages(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, whiten: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ advantages (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large
+    Language Models", arXiv:2501.03262), all [B, T]: no critic and no per-prompt baseline.
+
+        G_t = r_t + gamma * G_{t+1}                        (compute_discounted_returns)
+        A   = (G - mean(G)) / sqrt(var(G) + 1e-8)          (over every valid token of the batch)
+
+    Token rewards carry the KL penalty when klPenalty.mode is `reward`, so the discounting spreads it
+    over the tokens before it. The batch-wide whitening (``whiten=False`` skips it) is the method's
+    variance reduction in place of a critic. Returns (advantages, returns); both 0 outside the mask.
+    """
+    returns = compute_discounted_returns(token_rewards, mask, gamma)
+    advantages = masked_whiten(returns, mask) if whiten else returns
+    return advantages, returns
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_advantages(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor | Sequence[Hashable],
+    mask: torch.Tensor,
+    whiten: bool = True,
+) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (REINFORCE++-baseline, Hu 2025, arXiv:2501.03262): [B] -> [B, T].
+
+        a_i = r_i - mean_g                                 (mean over i's group; 0 for a group of one)
+        A   = whiten(a_i on each valid token of i)         (mean and unbiased var over every valid token)
+
+    The group mean removes each prompt's difficulty, the batch-wide whitening scales the result; each
+    sequence weighs in the whitening by its number of tokens.
+    """
+    r = _sequence_scores(scores)
+    index = _group_index(group_ids, r.numel(), r.device)
+    count, mean = _group_stats(r, index)
+    centered = torch.where(count[index] > 1, r - mean[index], r)
+    valid = mask.bool()
+    per_token = torch.where(valid, centered.unsqueeze(-1).to(r.dtype), torch.zeros((), dtype=r.dtype))
+    return masked_whiten(per_token, mask) if whiten else per_token
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,6 +354,19 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tens
     raise ValueError(f"unknown agg {agg!r}; expected one of {', '.join(AGG_MODES)}")
 
 
+def _token_advantages(advantages: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    """[B] (one per sequence, broadcast over tokens) or [B, T] advantages as [B, T]."""
+    if advantages.dim() == log_probs.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    try:
+        return advantages.expand_as(log_probs)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"advantages must be [B] or [B, T] for log_probs of shape {tuple(log_probs.shape)}, "
+            f"got {tuple(advantages.shape)}"
+        ) from exc
+
+
 def ppo_policy_loss(
     old_log_probs: torch.Tensor,
     log_probs: torch.Tensor,
@@ -275,15 +392,7 @@ def ppo_policy_loss(
         raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low} and {clip_high}")
     if dual_clip_c is not None and not dual_clip_c > 1.0:
         raise ValueError(f"dual_clip_c must be > 1 (or None to disable), got {dual_clip_c}")
-    if advantages.dim() == log_probs.dim() - 1:
-        advantages = advantages.unsqueeze(-1)
-    try:
-        advantages = advantages.expand_as(log_probs)
-    except RuntimeError as exc:
-        raise ValueError(
-            f"advantages must be [B] or [B, T] for log_probs of shape {tuple(log_probs.shape)}, "
-            f"got {tuple(advantages.shape)}"
-        ) from exc
+    advantages = _token_advantages(advantages, log_probs)
 
     log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
@@ -306,6 +415,74 @@ def ppo_policy_loss(
             "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
             "dual_clip_frac": masked_mean(dual_hit.to(losses.dtype), mask).item(),
+        }
+    return loss, metrics
+
+
+def gspo_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence-level log importance ratio in its token-level form, [B, T] -> [B, T].
+
+        log s_i     = 1/|y_i| * sum_t (logp_{i,t} - logp_old_{i,t})        (valid tokens t of sequence i)
+        log s_{i,t} = sg[log s_i] + logp_{i,t} - sg[logp_{i,t}]
+
+    sg is stop-gradient. The value of log s_{i,t} is log s_i on every token of sequence i, and its
+    gradient is that of logp_{i,t}: so s_{i,t} = s_i in value while d s_{i,t} = s_i * d logp_{i,t},
+    which after the sequence-mean aggregation gives GSPO's gradient s_i/|y_i| * sum_t grad logp_{i,t}
+    (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071, the GSPO-token form with
+    one advantage per sequence). Length normalisation keeps s_i in a range one clip fits for any |y_i|.
+    A sequence with no valid token gets log s_i = 0.
+    """
+    m = mask.to(log_probs.dtype)
+    lengths = m.sum(dim=-1).clamp_min(1.0)
+    seq = ((log_probs - old_log_probs) * m).sum(dim=-1) / lengths
+    return seq.detach().unsqueeze(-1) + log_probs - log_probs.detach()
+
+
+def gspo_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """s_{i,t} = exp(min(log s_{i,t}, 10)), [B, T]: the sequence ratio (pi/pi_old)^(1/|y_i|) on each token.
+
+    See gspo_log_ratio for log s_{i,t}; the clamp keeps exp() finite (a ratio above e^10 is clipped anyway).
+    """
+    return torch.exp(torch.clamp(gspo_log_ratio(log_probs, old_log_probs, mask), max=_GSPO_LOG_RATIO_MAX))
+
+
+def gspo_policy_loss(
+    old_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    agg: str = "seq-mean-token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO's clipped surrogate on the sequence-level ratio (Zheng et al. 2025, arXiv:2507.18071).
+
+        s   = gspo_ratio(logp, logp_old)          (one value per sequence, on each of its tokens)
+        L   = max(-A * s, -A * clip(s, 1 - clip_low, 1 + clip_high))
+
+    Whole sequences are clipped, not tokens; there is no dual clip. The paper's objective averages over
+    sequences, ``agg="seq-mean-token-mean"`` (the default); as in verl, any of AGG_MODES may be asked.
+    The paper's clip ranges are far smaller than PPO's (3e-4 and 4e-4) because s is a per-token
+    geometric mean. ``advantages`` is [B] or [B, T]. Metrics as ppo_policy_loss: clip_frac (tokens
+    of clipped sequences), approx_kl (token-level k3 estimate of KL(pi_old || pi)), ratio_mean (mean of
+    s over sequences), dual_clip_frac (always 0).
+    """
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low} and {clip_high}")
+    advantages = _token_advantages(advantages, log_probs)
+    ratio = gspo_ratio(log_probs, old_log_probs, mask)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    losses = torch.maximum(unclipped, clipped)
+    loss = agg_loss(losses, mask, agg)
+
+    with torch.no_grad():
+        log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        metrics = {
+            "clip_frac": masked_mean((clipped > unclipped).to(losses.dtype), mask).item(),
+            "approx_kl": masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, mask).item(),
+            "ratio_mean": agg_loss(ratio, mask, "seq-mean-token-mean").item(),
+            "dual_clip_frac": 0.0,
         }
     return loss, metrics
 

@@ -1,4 +1,4 @@
-"""hybridflow run | train | validate | render | ctl | dashboard."""
+"""hybridflow run | train | validate | render | ctl | dashboard | completion."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hybridflow._version import __version__
 from hybridflow.api import RLTrainingJob, SpecError, load_job
+from hybridflow.api.load import STDIN
 from hybridflow.k8s import contract
 
 
@@ -29,12 +31,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(e.render(), file=sys.stderr)
             bad += 1
             continue
+        name = "<stdin>" if path == STDIN else path
         problems = _graph_problems(job)
         if problems:
-            print(SpecError(path, problems).render(), file=sys.stderr)
+            print(SpecError(name, problems).render(), file=sys.stderr)
             bad += 1
         else:
-            print(f"{path}: valid {job.spec.algorithm.name} job {job.metadata.name!r}")
+            print(f"{name}: valid {job.spec.algorithm.name} job {job.metadata.name!r}")
     return 1 if bad else 0
 
 
@@ -153,9 +156,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     return _train(args, args.config, local=args.local)
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    from hybridflow.completion import script
+
+    sys.stdout.write(script(build_parser(), args.shell))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridflow", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--version", action="version", version=f"hybridflow {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train locally on in-process Ray (the embedded default)")
     run.add_argument("file")
@@ -175,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: %(default)d, the head's named port; 0: any free one)")
     train.set_defaults(fn=cmd_train)
     val = sub.add_parser("validate", help="check job files; every problem with its field path")
-    val.add_argument("files", nargs="+")
+    val.add_argument("files", nargs="+", metavar="FILE", help=f"a job file; {STDIN} reads standard input")
     val.set_defaults(fn=cmd_validate)
     ren = sub.add_parser("render", help="print the manifests the operator would create")
     ren.add_argument("file")
@@ -186,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridflow.dashboard import cli as dashboard_cli
 
     dashboard_cli.add_parser(sub)
+    comp = sub.add_parser("completion", help="print the shell completion script (bash or zsh)",
+                          description="bash: source <(hybridflow completion bash); zsh: source <(hybridflow "
+                                      "completion zsh), or save it as _hybridflow in a directory on $fpath")
+    comp.add_argument("shell", choices=("bash", "zsh"))
+    comp.set_defaults(fn=cmd_completion)
     return p
 
 

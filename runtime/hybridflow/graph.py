@@ -300,7 +300,9 @@ def _add_loop(g: DataflowGraph, actor: Node, consumers: Iterable[Node], trainer:
 
 def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = "GPU",
                   parallelism: int = 1, critic_parallelism: int | None = None) -> DataflowGraph:
-    """The PPO or GRPO graph: actor_rollout, reference and reward share bundles; the critic has its own pool.
+    """The algorithm's graph: actor_rollout, reference and reward share bundles; the critic, for the
+    algorithms that train one (ppo), has its own pool. grpo, rloo and reinforce_plus_plus(_baseline) share
+    the critic-free graph.
 
     On GPUs each actor bundle is one GPU split 0.5/0.25/0.25 between actor, reference and reward.
     """
@@ -315,7 +317,7 @@ def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = 
     if needs_reference(spec):
         consumers.append(g.node(Node("reference", "reference", {"GPU": 0.25} if gpu else {}, parallelism, "actor")))
     trainer = actor
-    if algo == "ppo":
+    if spec.algorithm.trains_critic:
         cpar = critic_parallelism or parallelism
         critic = g.node(Node("critic", "critic", {"GPU": 1} if gpu else {"CPU": 1}, cpar, "critic" if gpu else "actor"))
         consumers.append(critic)

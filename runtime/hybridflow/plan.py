@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from hybridflow.api.spec import RLTrainingJobSpec, Role
+from hybridflow.api.spec import ALGORITHMS, CRITIC_ALGORITHMS, RLTrainingJobSpec, Role
 from hybridflow.graph import ROLES, ColocationGroup, DataflowGraph, GraphError, Node, needs_reference, spec_graph
 
 REQUIRED_ROLES: Mapping[str, tuple[Role, ...]] = MappingProxyType({
-    "ppo": ("actor_rollout", "reward", "critic"),
-    "grpo": ("actor_rollout", "reward"),
+    algo: ("actor_rollout", "reward", "critic") if algo in CRITIC_ALGORITHMS else ("actor_rollout", "reward")
+    for algo in ALGORITHMS
 })
 """Each needs exactly one node; no role may have two (the trainer could not tell which to use)."""
 
@@ -93,8 +93,8 @@ def training_problems(graph: DataflowGraph, spec: RLTrainingJobSpec) -> list[str
         if len(nodes) > 1:
             problems.append(f"{at.nodes}: {len(nodes)} nodes have role {role} ({', '.join(n.name for n in nodes)}); "
                             f"allowed: exactly one")
-    if algo == "grpo":
-        problems += [f"{at.node(n)}: grpo trains no critic, so node {n.name!r} would never be used; remove it "
+    if not spec.algorithm.trains_critic:
+        problems += [f"{at.node(n)}: {algo} trains no critic, so node {n.name!r} would never be used; remove it "
                      "or set spec.algorithm.name to ppo" for n in graph.by_role("critic")]
     actors = graph.by_role("actor_rollout")
     if len(actors) == 1:
@@ -104,7 +104,8 @@ def training_problems(graph: DataflowGraph, spec: RLTrainingJobSpec) -> list[str
 
 
 def _critic_hint(algo: str, role: str) -> str:
-    return " (or set spec.algorithm.name to grpo, which needs none)" if algo == "ppo" and role == "critic" else ""
+    needs_none = " (or set spec.algorithm.name to grpo, rloo or reinforce_plus_plus, which need none)"
+    return needs_none if algo in CRITIC_ALGORITHMS and role == "critic" else ""
 
 
 def _feed_problems(graph: DataflowGraph, spec: RLTrainingJobSpec, actor: Node, at: _Locator) -> list[str]:
@@ -198,7 +199,7 @@ def step_plan(graph: DataflowGraph, spec: RLTrainingJobSpec) -> StepPlan:
     if problems:
         raise GraphError(problems)
     actor = graph.by_role("actor_rollout")[0]
-    critic = graph.by_role("critic")[0] if spec.algorithm.name == "ppo" else None
+    critic = graph.by_role("critic")[0] if spec.algorithm.trains_critic else None
     shared = _group_of(graph, actor.name)
     colocated: list[str] = []
     remote: list[RemoteStep] = []

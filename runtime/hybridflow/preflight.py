@@ -15,7 +15,7 @@ def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
     """Every problem found, each naming its spec field; empty when the job can start."""
     problems: list[str] = []
     models = [(spec.model.policy.path, "spec.model.policy.path")]
-    if spec.algorithm.name == "ppo" and spec.model.critic.path:
+    if spec.algorithm.trains_critic and spec.model.critic.path:
         models.append((spec.model.critic.path, "spec.model.critic.path"))
     if spec.model.reference.enabled and spec.model.reference.path:
         models.append((spec.model.reference.path, "spec.model.reference.path"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,29 +73,42 @@ def parse_job(doc: Any, source: str = "<input>") -> RLTrainingJob:
         raise SpecError(source, problems_from(e)) from None
 
 
+STDIN = "-"
+"""The path that means standard input (`hybridflow validate -`)."""
+
+
 def load_job(path: str | Path) -> RLTrainingJob:
-    """Read one RLTrainingJob from a YAML file, or a JSON one (`.json`, as the operator mounts it).
+    """Read one RLTrainingJob from a YAML file, or a JSON one (`.json`, as the operator mounts it); `-` reads
+    standard input (JSON when it starts with `{`, else YAML).
 
     JSON is read as JSON: YAML 1.1 would take a number such as 1e-06 for a string.
     """
+    if str(path) == STDIN:
+        text = sys.stdin.read()
+        return parse_job_text(text, "<stdin>", as_json=text.lstrip().startswith("{"))
     p = Path(path)
     if not p.is_file():
         raise SpecError(str(p), [f"file not found: {p}"])
-    if p.suffix == ".json":
+    return parse_job_text(p.read_text(), str(p), as_json=p.suffix == ".json")
+
+
+def parse_job_text(text: str, source: str, as_json: bool = False) -> RLTrainingJob:
+    """One RLTrainingJob from YAML or JSON text; a YAML stream may hold other documents beside it."""
+    if as_json:
         try:
-            return parse_job(json.loads(p.read_text()), str(p))
+            return parse_job(json.loads(text), source)
         except json.JSONDecodeError as e:
             where = f"line {e.lineno}, column {e.colno}"
-            raise SpecError(str(p), [f"(document): malformed JSON: {where}: {e.msg}"]) from None
+            raise SpecError(source, [f"(document): malformed JSON: {where}: {e.msg}"]) from None
     try:
-        docs = [d for d in yaml.safe_load_all(p.read_text()) if d is not None]
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise SpecError(str(p), [f"(document): malformed YAML: {where}{getattr(e, 'problem', e)}"]) from None
+        raise SpecError(source, [f"(document): malformed YAML: {where}{getattr(e, 'problem', e)}"]) from None
     jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == "RLTrainingJob"]
     if len(docs) == 1:
-        return parse_job(docs[0], str(p))
+        return parse_job(docs[0], source)
     if len(jobs) != 1:
-        raise SpecError(str(p), [f"(document): expected exactly one RLTrainingJob, found {len(jobs)}"])
-    return parse_job(jobs[0], str(p))
+        raise SpecError(source, [f"(document): expected exactly one RLTrainingJob, found {len(jobs)}"])
+    return parse_job(jobs[0], source)

@@ -72,11 +72,37 @@ class KLPenalty(ApiModel):
     """Horizon, in samples, of the adaptive controller."""
 
 
-class Algorithm(ApiModel):
-    """Which RL algorithm and its hyper-parameters."""
+AlgorithmName = Literal["ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
+CRITIC_ALGORITHMS: tuple[str, ...] = ("ppo",)
+"""The algorithms that train a critic; every other one runs the critic-free graph."""
+GROUP_ALGORITHMS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+"""The algorithms whose baseline comes from the other samples of the same prompt: samplesPerPrompt >= 2."""
+PolicyLoss = Literal["vanilla", "gspo"]
 
-    name: Literal["ppo", "grpo"] = "ppo"
-    """`ppo` trains a critic (GAE); `grpo` uses group-normalised rewards and no critic."""
+
+def _group_message(name: str) -> str:
+    return (f"rollout.samplesPerPrompt must be at least 2 for {name} "
+            "(its baseline comes from the other samples of the same prompt)")
+
+
+class Algorithm(ApiModel):
+    """Which RL algorithm and its hyper-parameters.
+
+    `name` is the advantage estimator, as verl's `algorithm.adv_estimator` names it (verl's `gae` is
+    `ppo` here, the one with a critic); `policyLoss` is verl's `actor.policy_loss.loss_mode`. GSPO is
+    GRPO's advantages with the sequence-level ratio: `{name: grpo, policyLoss: gspo}`.
+    """
+
+    name: AlgorithmName = "ppo"
+    """`ppo`: a critic and GAE. Critic-free: `grpo` (group-normalised scores), `rloo` (leave-one-out
+    baseline), `reinforce_plus_plus` (discounted returns whitened over the batch) and
+    `reinforce_plus_plus_baseline` (group-mean baseline, then whitened). grpo, rloo and
+    reinforce_plus_plus_baseline need rollout.samplesPerPrompt >= 2."""
+    policy_loss: PolicyLoss = "vanilla"
+    """`vanilla`: PPO's clipped surrogate on per-token ratios; `gspo`: the same on the sequence-level
+    ratio (pi/pi_old)^(1/|y|), clipped per sequence (GSPO; the paper uses lossAgg seq-mean-token-mean and
+    clip ranges near 3e-4/4e-4)."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
     clip_ratio: float = Field(0.2, gt=0.0, lt=1.0)
@@ -93,7 +119,12 @@ class Algorithm(ApiModel):
     """Sequences per optimiser step; null means the whole batch."""
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     normalize_advantages: bool = True
-    """Whiten PPO advantages over the batch; for GRPO, divide by the group std."""
+    """ppo: whiten advantages over the batch; grpo: divide by the group std; reinforce_plus_plus(_baseline):
+    whiten over the batch (false skips it); rloo: never normalised."""
+
+    @property
+    def trains_critic(self) -> bool:
+        return self.name in CRITIC_ALGORITHMS
 
 
 class ModelRef(ApiModel):
@@ -475,11 +506,14 @@ class RunPolicy(ApiModel):
 class RLTrainingJobSpec(ApiModel):
     model_config = ApiModel.model_config | ConfigDict(
         json_schema_extra=_rules(
-            _cel(
-                "!has(self.algorithm) || !has(self.rollout)"
-                " || self.algorithm.name != 'grpo' || self.rollout.samplesPerPrompt >= 2",
-                "rollout.samplesPerPrompt must be at least 2 for grpo (advantages are per group)",
-                ".rollout.samplesPerPrompt",
+            *(
+                _cel(
+                    "!has(self.algorithm) || !has(self.rollout)"
+                    f" || self.algorithm.name != '{name}' || self.rollout.samplesPerPrompt >= 2",
+                    _group_message(name),
+                    ".rollout.samplesPerPrompt",
+                )
+                for name in GROUP_ALGORITHMS
             ),
             _cel(
                 "!has(self.algorithm) || !has(self.data) || !has(self.rollout)"
@@ -526,8 +560,8 @@ class RLTrainingJobSpec(ApiModel):
 
     @model_validator(mode="after")
     def _cross_field(self) -> RLTrainingJobSpec:
-        if self.algorithm.name == "grpo" and self.rollout.samples_per_prompt < 2:
-            raise ValueError("rollout.samplesPerPrompt must be at least 2 for grpo (advantages are per group)")
+        if self.algorithm.name in GROUP_ALGORITHMS and self.rollout.samples_per_prompt < 2:
+            raise ValueError(_group_message(self.algorithm.name))
         mbs = self.algorithm.mini_batch_size
         total = self.data.batch_size * self.rollout.samples_per_prompt
         if mbs is not None and mbs > total:

@@ -13,10 +13,12 @@ from types import MappingProxyType
 
 import yaml
 
+from hybridflow._version import __version__
+
 ENV_PREFIX = "HYBRIDFLOW_"
 ENV_GPU_PRODUCTS = f"{ENV_PREFIX}GPU_PRODUCTS"
 ENV_RUNTIME_IMAGE = f"{ENV_PREFIX}RUNTIME_IMAGE"
-DEFAULT_RUNTIME_IMAGE = "docker.io/hybridflow/runtime:0.1.0"
+DEFAULT_RUNTIME_IMAGE = f"docker.io/hybridflow/runtime:{__version__}"
 
 # nvidia.com/gpu.product values (as GPU feature discovery writes them) for each spec.cluster.gpuType.
 DEFAULT_GPU_PRODUCTS: Mapping[str, tuple[str, ...]] = MappingProxyType({

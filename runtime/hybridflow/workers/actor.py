@@ -66,7 +66,8 @@ class ActorRolloutWorker:
             )
 
     def update(self, batch: RolloutBatch, kl_coef: float) -> dict[str, float]:
-        """PPO epochs over minibatches: loss = clipped surrogate - c_H * H + [beta * KL if mode=loss]."""
+        """PPO epochs over minibatches: loss = clipped surrogate (per-token ratio, or GSPO's sequence ratio when
+        policyLoss is gspo) - c_H * H + [beta * KL if mode=loss]."""
         self._check_version(batch)
         algo = self.spec.algorithm
 
@@ -74,11 +75,15 @@ class ActorRolloutWorker:
             logp, ent = response_log_probs(self.model, mb, self.device, with_entropy=True)
             assert ent is not None
             m = mb.response_mask.float().to(self.device)
-            loss, metrics = algos.ppo_policy_loss(
-                mb.tensors["old_log_probs"].to(self.device), logp, mb.tensors["advantages"].to(self.device), m,
-                clip_low=algo.clip_ratio, clip_high=algo.clip_ratio_high or algo.clip_ratio,
-                dual_clip_c=algo.dual_clip_c, agg=algo.loss_agg,
-            )
+            old, adv = mb.tensors["old_log_probs"].to(self.device), mb.tensors["advantages"].to(self.device)
+            clip_high = algo.clip_ratio_high or algo.clip_ratio
+            if algo.policy_loss == "gspo":
+                loss, metrics = algos.gspo_policy_loss(old, logp, adv, m, clip_low=algo.clip_ratio,
+                                                       clip_high=clip_high, agg=algo.loss_agg)
+            else:
+                loss, metrics = algos.ppo_policy_loss(old, logp, adv, m, clip_low=algo.clip_ratio,
+                                                      clip_high=clip_high, dual_clip_c=algo.dual_clip_c,
+                                                      agg=algo.loss_agg)
             entropy = algos.agg_loss(ent, m, algo.loss_agg)
             total = loss - algo.entropy_coef * entropy
             if algo.kl_penalty.mode == "loss" and "ref_log_probs" in mb.tensors:
