@@ -27,7 +27,7 @@ from e2e.harness.operator import OperatorProcess
 from e2e.harness.realcluster import RealNodeCluster, with_host_runtime
 from e2e.harness.realcluster import node_images as node_images_of
 from e2e.realnode_runs import MIN_FINAL_REWARD, TINY_GRPO, JobRun, require_real_nodes
-from hybridflow.k8s import contract
+from hybridflow.k8s import contract, names
 from tests.helpers import condition
 
 pytestmark = pytest.mark.realnodes
@@ -168,14 +168,16 @@ def test_tiny_grpo_trains_in_real_pods_to_succeeded(real_cluster: RealNodeCluste
 def _assert_the_scheduler_dashboard_is_served(cluster: RealNodeCluster, run: JobRun, timeout_s: float = 60.0) -> None:
     """status.schedulerDashboardUrl names the RayJob's head Service and the head's port, and the page the driver
     serves there comes back through the API server's service proxy with the job's status (while the head lives)."""
-    deadline = time.monotonic() + timeout_s
-    seen = "no status.schedulerDashboardUrl"
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    seen: dict[str, float] = {}  # what each try found, first seen after how long
     while time.monotonic() < deadline:
+        found = "no status.schedulerDashboardUrl"
         status = run.poll().get("status") or {}  # poll: JobRun keeps following the steps meanwhile
         url = status.get("schedulerDashboardUrl")
         if url:
             where = urllib.parse.urlsplit(url)
-            service = f"{status['rayJobName']}-head-svc"
+            service = names.head_service_name(status["rayClusterName"])
             assert (where.scheme, where.hostname, where.port) == \
                 ("http", f"{service}.{run.namespace}.svc.cluster.local", contract.DASHBOARD_PORT), url
             proxy = f"/api/v1/namespaces/{run.namespace}/services/{service}:{where.port}/proxy/"
@@ -185,9 +187,12 @@ def _assert_the_scheduler_dashboard_is_served(cluster: RealNodeCluster, run: Job
                 live = json.loads(view.stdout)
                 if live["has_status"] and live["graph"]["nodes"]:
                     return
-                seen = f"the view has no controller status yet: {live.get('error')}"
+                found = f"the view has no controller status yet: {live.get('error')}"
             else:
-                seen = f"{proxy}: {(page.stderr or page.stdout)[-500:]}"
+                found = f"{proxy}: {(page.stderr or page.stdout)[-300:].strip()}"
+        head = cluster.get_json("pods", "-n", run.namespace, "-l", "ray.io/node-type=head")["items"]
+        ready = [c["status"] for p in head for c in p.get("status", {}).get("conditions", []) if c["type"] == "Ready"]
+        seen.setdefault(f"{found} (head Ready: {ready})", round(time.monotonic() - t0, 1))
         time.sleep(1.0)
     pods = cluster.kubectl("get", "pods", "-n", run.namespace, "-o", "wide", check=False).stdout
     raise AssertionError(f"the scheduler dashboard of {run.namespace}/{run.name} is not served within "

@@ -237,7 +237,7 @@ def test_the_head_names_the_scheduler_dashboard_port_so_kuberay_exposes_it() -> 
     for name in port_names:
         assert len(name) <= 15 and re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", name) and "--" not in name, name
         assert re.search("[a-z]", name), name
-    longest = names.head_service_name(names.rayjob_name("x" * 253))
+    longest = names.head_service_name(names.rayjob_name("x" * 253) + "-abcde")  # KubeRay's cluster name
     assert len(longest) <= 63 and longest.endswith("-head-svc")  # a Service name is a DNS-1035 label
 
 

@@ -139,20 +139,22 @@ def test_mirrors_the_rayjob() -> None:
     assert status["startTime"] == T0 and status["completionTime"] is None
 
 
-def test_the_scheduler_dashboard_is_linked_on_the_rayjobs_head_service_while_it_runs() -> None:
-    """The port the rendered head names, on KubeRay's Service for the RayJob (it follows the head across
-    retries), in the domain of KubeRay's own dashboardURL; Ray's dashboard stays in dashboardUrl."""
+def test_the_scheduler_dashboard_is_linked_on_the_clusters_head_service_while_it_runs() -> None:
+    """The port the rendered head names, on KubeRay's Service for the RayCluster's head (the one that selects
+    the rendered pods), in the domain of KubeRay's own dashboardURL; Ray's dashboard stays in dashboardUrl."""
     ray_url = "tiny-ppo-x7k2p-head-svc.team-a.svc.cluster.local:8265"
     tiny, rj = rendered_rayjob("Running", jobStatus="RUNNING", rayClusterName="tiny-ppo-x7k2p", dashboardURL=ray_url)
     status = compute_status(tiny, rj, [], T0, None)
     assert status["schedulerDashboardUrl"] == \
-        f"http://tiny-ppo-head-svc.team-a.svc.cluster.local:{contract.DASHBOARD_PORT}"
+        f"http://tiny-ppo-x7k2p-head-svc.team-a.svc.cluster.local:{contract.DASHBOARD_PORT}"
     assert status["dashboardUrl"] == ray_url
     rj["status"]["dashboardURL"] = "tiny-ppo-x7k2p-head-svc.team-a.svc.corp.example:8265"
     assert compute_status(tiny, rj, [], T0, None)["schedulerDashboardUrl"] == \
-        f"http://tiny-ppo-head-svc.team-a.svc.corp.example:{contract.DASHBOARD_PORT}"
+        f"http://tiny-ppo-x7k2p-head-svc.team-a.svc.corp.example:{contract.DASHBOARD_PORT}"
     del rj["status"]["dashboardURL"]
     assert compute_status(tiny, rj, [], T0, None)["schedulerDashboardUrl"].endswith(".svc.cluster.local:8266")
+    del rj["status"]["rayClusterName"]  # KubeRay has not named the cluster yet
+    assert compute_status(tiny, rj, [], T0, None)["schedulerDashboardUrl"] is None
 
 
 @pytest.mark.parametrize("deployment", ["", "Initializing", "Retrying", "Complete", "Failed", "Suspended"])

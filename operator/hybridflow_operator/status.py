@@ -86,7 +86,7 @@ def compute_status(
 
 
 def scheduler_dashboard_url(rayjob: Mapping[str, Any] | None, deployment: str | None) -> str | None:
-    """The live scheduler dashboard the driver serves on the Ray head, through the RayJob's head Service.
+    """The live scheduler dashboard the driver serves on the Ray head, through its RayCluster's head Service.
 
     Only while the RayJob runs (before, nothing listens; after, its cluster is gone) and only when its head
     declares the port (a RayJob rendered before the head served it does not). The DNS domain is the one
@@ -94,13 +94,16 @@ def scheduler_dashboard_url(rayjob: Mapping[str, Any] | None, deployment: str | 
     """
     if rayjob is None or deployment != RUNNING:
         return None
+    cluster = (rayjob.get("status") or {}).get("rayClusterName")
+    if not cluster:
+        return None
     port = _head_port(rayjob, DASHBOARD_PORT_NAME)
     if port is None:
         return None
     meta = rayjob.get("metadata") or {}
     host = str((rayjob.get("status") or {}).get("dashboardURL") or "").split("://")[-1].rsplit(":", 1)[0]
     domain = host.partition(".svc.")[2] or DEFAULT_CLUSTER_DOMAIN
-    return f"http://{head_service_name(meta['name'])}.{meta.get('namespace') or 'default'}.svc.{domain}:{port}"
+    return f"http://{head_service_name(cluster)}.{meta.get('namespace') or 'default'}.svc.{domain}:{port}"
 
 
 def reported(job: Mapping[str, Any]) -> bool:

@@ -51,10 +51,12 @@ def rayjob_name(job_name: str) -> str:
     return f"{prefix}-{short_hash(job_name)}"
 
 
-def head_service_name(rayjob: str) -> str:
-    """KubeRay's Service for a RayJob's head: named after the RayJob, it follows the head across retries (the
-    RayCluster's own, `<rayClusterName>-head-svc`, changes with each new cluster). <= 56 characters."""
-    return f"{rayjob}-head-svc"
+def head_service_name(ray_cluster: str) -> str:
+    """KubeRay's Service for a RayCluster's head. It selects the head by the pod's own labels; the one KubeRay
+    adds for a RayJob (`<rayJobName>-head-svc`) selects `app.kubernetes.io/name: kuberay`, which the rendered
+    pods replace with this project's name, so it has no endpoints. A retry's new cluster has a new one, which
+    status follows through status.rayClusterName. <= 63 characters (RayCluster names are <= 53)."""
+    return f"{ray_cluster}-head-svc"
 
 
 def config_map_name(job_name: str) -> str:
