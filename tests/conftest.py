@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,3 +31,14 @@ def broken(request, example_doc) -> tuple[dict, str]:
     doc = example_doc("tiny-ppo.yaml")
     change(doc)
     return doc, needle
+
+
+@pytest.fixture
+def float64_by_default() -> Iterator[None]:
+    """Exact comparisons against hand arithmetic; the default dtype is restored for the other modules."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)

@@ -249,3 +249,10 @@ def wait_for(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
         time.sleep(0.2)
+
+
+def right_padded_mask(lengths: list[int], num_tokens: int) -> Any:
+    """[B, T] mask of 1s on each row's first `lengths[i]` tokens (a torch tensor)."""
+    import torch
+
+    return (torch.arange(num_tokens)[None, :] < torch.tensor(lengths)[:, None]).long()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,19 +27,9 @@ from hybridflow.algos import (
     scores_to_token_rewards,
     value_loss,
 )
+from tests.helpers import right_padded_mask
 
-
-@pytest.fixture(autouse=True)
-def _float64_by_default() -> Iterator[None]:
-    # Exact comparisons against hand arithmetic; restored so other test modules are unaffected.
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
-def right_padded_mask(lengths: list[int], num_tokens: int) -> torch.Tensor:
-    return (torch.arange(num_tokens)[None, :] < torch.tensor(lengths)[:, None]).long()
+pytestmark = pytest.mark.usefixtures("float64_by_default")
 
 
 # --------------------------------------------------------------------------------------------------

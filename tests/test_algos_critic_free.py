@@ -4,7 +4,6 @@ small enough to check by hand. tests/test_algos_oracle.py compares the same func
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,18 +20,9 @@ from hybridflow.algos import (
     masked_var,
     ppo_policy_loss,
 )
+from tests.helpers import right_padded_mask
 
-
-@pytest.fixture(autouse=True)
-def _float64_by_default() -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
-def right_padded_mask(lengths: list[int], num_tokens: int) -> torch.Tensor:
-    return (torch.arange(num_tokens)[None, :] < torch.tensor(lengths)[:, None]).long()
+pytestmark = pytest.mark.usefixtures("float64_by_default")
 
 
 # -- RLOO ------------------------------------------------------------------------------------------
