@@ -63,6 +63,7 @@ def test_cross_field_rules(example_doc) -> None:
         with pytest.raises(SpecError, match=f"samplesPerPrompt must be at least 2 for {name} \\(its baseline"):
             parse_job(doc)
     doc["spec"]["algorithm"]["name"] = "reinforce_plus_plus"  # no group baseline: one sample is enough
+    doc["spec"]["algorithm"]["miniBatchSize"] = doc["spec"]["data"]["batchSize"]  # one sample per prompt
     assert parse_job(doc).spec.rollout.samples_per_prompt == 1
     doc = example_doc("tiny-ppo.yaml")
     doc["spec"]["algorithm"]["miniBatchSize"] = 10_000
