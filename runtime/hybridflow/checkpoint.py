@@ -3,6 +3,10 @@
 One controller writes a directory at a time: `claim` hands it a token and every write first checks it
 (`check_owner`). A controller orphaned by a lost Ray head keeps running until its raylet gives up on the
 GCS; the resubmitted job's controller claims the directory and the orphan stops at its next write.
+
+Checkpoint files hold tensors, numbers, strings, lists, tuples and dicts only, and are read back with
+`torch.load(..., weights_only=True)` (`load_state`): a checkpoint directory may be on shared storage that
+others can write, and a full unpickle of a planted file would run its code.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 OWNER_FILE = "owner"
@@ -18,6 +23,20 @@ OWNER_FILE = "owner"
 
 class Superseded(RuntimeError):
     """Another controller claimed the checkpoint directory; this one must stop writing."""
+
+
+def save_state(state: dict[str, Any], path: str | Path) -> None:
+    """Write one checkpoint file: plain containers of tensors and primitives, nothing that needs unpickling."""
+    import torch
+
+    torch.save(state, path)
+
+
+def load_state(path: str | Path) -> Any:
+    """Read a checkpoint file without running pickled code (weights_only: tensors and primitives only)."""
+    import torch
+
+    return torch.load(path, weights_only=True)
 
 
 def claim(root: str | Path) -> str:

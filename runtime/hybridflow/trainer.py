@@ -44,8 +44,21 @@ WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableErro
 LOST_PROBE_S = 60.0
 """How long a host may take to answer before a failed step blames its death (Ray's node health check
 takes about 30 s to declare a vanished pod's raylet dead)."""
+CONTROLLER_FILE = "controller.pt"
 MEMORY_SAMPLE_S = 5.0
 """How often the loop asks the hosts for their memory (the dashboard's heatmap): one round trip per host."""
+
+
+def controller_state(step: int, kl_ctl: algos.FixedKLController | algos.AdaptiveKLController,
+                     sampler: PromptSampler, ranks: list[str]) -> dict[str, Any]:
+    """The controller's part of a checkpoint, in types `torch.load(weights_only=True)` reads back.
+
+    The step, the KL coefficient, the data position, the RNG states (torch's a tensor, Python's a tuple of
+    ints) and the rank files written beside it.
+    """
+    return {"step": int(step), "kl_ctl": kl_ctl.state_dict(), "data": sampler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "world": dict.fromkeys(ranks, 1)}
 
 
 class Trainer:
@@ -349,10 +362,9 @@ class Trainer:
         root = self.spec.trainer.checkpoint.path
         staging = checkpoint.staging_dir(root, self.step)
         ray.get([h.save.remote(str(staging), name) for name, h in self._instances()])
-        torch.save({"step": self.step, "kl_ctl": self.kl_ctl.state_dict(), "data": self.sampler.state_dict(),
-                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                    "world": {name: 1 for name, _ in self._instances()}},
-                   staging / "controller.pt")
+        checkpoint.save_state(controller_state(self.step, self.kl_ctl, self.sampler,
+                                               [name for name, _ in self._instances()]),
+                              staging / CONTROLLER_FILE)
         self._check_owner()
         final = checkpoint.commit(staging, root, self.step)
         checkpoint.prune(root, self.spec.trainer.checkpoint.keep)
@@ -374,7 +386,7 @@ class Trainer:
         if found is None:
             return False
         _step, path = found
-        state = torch.load(Path(path) / "controller.pt", weights_only=False)
+        state = checkpoint.load_state(Path(path) / CONTROLLER_FILE)
         saved = set(state["world"])
         running = self._instances()
         lacking = sorted({_lead(n) for n in saved} - {_lead(n) for n, _ in running})

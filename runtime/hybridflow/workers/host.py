@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hybridflow import telemetry
+from hybridflow import checkpoint, telemetry
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.plan import STEPS, Phase
 from hybridflow.step import PhaseResult, StepOutput, UpdateResult, run_step
@@ -150,7 +150,7 @@ class WorkerHost:
         if not self._trainable():
             return ""
         path = Path(directory) / f"{name}.pt"
-        torch.save(self.export_state(), path)
+        checkpoint.save_state(self.export_state(), path)
         return str(path)
 
     def load(self, directory: str, name: str) -> bool:
@@ -159,7 +159,7 @@ class WorkerHost:
         path = Path(directory) / f"{name}.pt"
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {directory} has no state for {name} (was the parallelism changed?)")
-        return self.import_state(torch.load(path, weights_only=False))
+        return self.import_state(checkpoint.load_state(path))
 
     def reset(self) -> bool:
         """Back to the initial weights (recovery before the first checkpoint)."""
