@@ -34,12 +34,16 @@ UNPICKLERS = {
 
 
 def _aliases(tree: ast.Module) -> dict[str, str]:
-    """Local name -> what it stands for: `import numpy as np` -> np: numpy; `from torch import load` -> load: torch.load."""
+    """Local name -> the module or function it stands for (`import numpy as np`: np -> numpy)."""
     out: dict[str, str] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                out[(alias.asname or alias.name).split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+                if alias.asname:
+                    out[alias.asname] = alias.name
+                else:
+                    top = alias.name.split(".")[0]
+                    out[top] = top
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             for alias in node.names:
                 out[alias.asname or alias.name] = f"{node.module}.{alias.name}"
@@ -180,10 +184,10 @@ def test_a_planted_pickle_is_refused(tmp_path: Path) -> None:
     """What weights_only buys: a file whose unpickling would run code is an error, and the code never runs."""
 
     class Payload:
-        def __reduce__(self):  # noqa: ANN204
+        def __reduce__(self):  # type: ignore[no-untyped-def]
             return (Path.touch, (tmp_path / "ran",))
 
     torch.save({"step": 1, "payload": Payload()}, tmp_path / "controller.pt")
-    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+    with pytest.raises(Exception, match=r"[Ww]eights only load failed|Unsupported global"):
         checkpoint.load_state(tmp_path / "controller.pt")
     assert not (tmp_path / "ran").exists()
