@@ -159,9 +159,10 @@ def test_operator_command_is_standalone_with_a_liveness_endpoint(default: list[d
     assert c["args"] == ["--standalone", "--liveness=http://0.0.0.0:8080/healthz"]
     assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"},
                           {"name": "metrics", "containerPort": 8081, "protocol": "TCP"}]
-    for probe in ("livenessProbe", "readinessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["livenessProbe"]["failureThreshold"] >= 3
+    # kopf's advice for operators: no readiness probe (nothing routes traffic to the pod by it)
+    assert "readinessProbe" not in c and "startupProbe" not in c
 
 
 def test_pod_is_locked_down(default: list[dict[str, Any]]) -> None:

@@ -184,7 +184,7 @@ def test_a_planted_pickle_is_refused(tmp_path: Path) -> None:
     """What weights_only buys: a file whose unpickling would run code is an error, and the code never runs."""
 
     class Payload:
-        def __reduce__(self):  # type: ignore[no-untyped-def]
+        def __reduce__(self) -> tuple:
             return (Path.touch, (tmp_path / "ran",))
 
     torch.save({"step": 1, "payload": Payload()}, tmp_path / "controller.pt")

@@ -1,5 +1,5 @@
 """What kopf does for the operator: start and stop it (signals, start-up and clean-up), log in, and serve
-the liveness probe.
+the liveness probe (the process's own health: see `alive`).
 
 Watching is not kopf's here. kopf runs its whole per-event machinery (cause detection, handler
 invocation, per-object memories) for every event of a watched resource, even with a handler that does
@@ -26,6 +26,9 @@ from hybridflow_operator.reconciler import Reconciler
 from hybridflow_operator.settings import OperatorSettings
 from hybridflow_operator.watches import informers
 
+LIVENESS_PROBE = "operator"
+"""The key of the liveness endpoint's answer: `{"operator": true}`."""
+
 
 def registry() -> kopf.OperatorRegistry:
     """kopf's handlers for the operator; `memo.settings` carries its OperatorSettings."""
@@ -34,7 +37,7 @@ def registry() -> kopf.OperatorRegistry:
     kopf.on.login(registry=handlers)(kopf.login_via_client)
     kopf.on.startup(registry=handlers)(start)
     kopf.on.cleanup(registry=handlers)(stop)
-    kopf.on.probe(id="kubernetes", registry=handlers)(api_reachable)
+    kopf.on.probe(id=LIVENESS_PROBE, registry=handlers)(alive)
     return handlers
 
 
@@ -65,7 +68,16 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
         await reconciler.kube.close()
 
 
-async def api_reachable(memo: kopf.Memo, **_: Any) -> bool:
-    """Liveness: the operator can still talk to the API server."""
-    return bool(await memo.reconciler.kube.version())
+async def alive(memo: kopf.Memo, **_: Any) -> bool:
+    """Liveness: this process's own health, never the API server's.
 
+    The answer comes from the event loop every watch and reconciliation runs on, so an answer means the loop
+    is not stuck; and the operator's long-running tasks (informers, resync) must all still run: they retry
+    API errors themselves, so one that ended met a bug, which a restart cures. An unreachable API server
+    fails neither: a restart cannot bring it back, and operators restarting in a loop through an outage
+    only add load when it returns. (The chart has no readiness probe: nothing sends traffic to the pod.)
+    """
+    ended = [task.get_name() for task in memo.get("tasks", ()) if task.done()]
+    if ended:  # permanent: kopf must not retry the probe, the endpoint must fail now
+        raise kopf.PermanentError(f"operator tasks ended: {', '.join(ended)}")
+    return True

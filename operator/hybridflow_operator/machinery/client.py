@@ -200,10 +200,6 @@ class Kube:
                 self._told("watch", None)
             raise
 
-    async def version(self) -> dict:
-        """The API server's version: a cheap request every authenticated client may make."""
-        return await self._call("GET", "/version", verb="get")
-
     async def _call(self, method: str, path: str, *, verb: str, body: Any = None,
                     content_type: str = "application/json", params: Mapping[str, str] | None = None,
                     urgent: bool = False) -> dict:
