@@ -548,19 +548,134 @@ def test_each_training_rule_stalls_the_job_with_its_message(broken) -> None:
     assert needle.removeprefix("spec.graph: ") in stalled["message"], stalled["message"]
 
 
-def test_a_terminating_namespace_is_left_alone() -> None:
-    async def scenario() -> tuple[Loop, float | None]:
-        loop = Loop(MemoryKube())
-        terminating = api_error(403, {"message": "namespace is being terminated",
-                                      "details": {"causes": [{"reason": "NamespaceTerminating"}]}})
-        for kind in ("ConfigMap", "ServiceAccount", "Role", "RoleBinding", "RayJob"):
-            loop.kube.refuse[("create", kind)] = terminating
-        key = loop.observe_job(new_job(loop.kube))
-        return loop, await loop.reconciler.process(key)
+def terminating_refusal(namespace: str, kind: str, name: str, *, with_cause: bool = True) -> ApiException:
+    """The API server's answer to a create in a namespace being deleted (NamespaceLifecycle admission)."""
+    body: dict[str, Any] = {
+        "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+        "message": f'{kind.lower()}s "{name}" is forbidden: unable to create new content in namespace {namespace} '
+                   "because it is being terminated",
+        "details": {"name": name, "kind": f"{kind.lower()}s"},
+    }
+    if with_cause:
+        body["details"]["causes"] = [{"reason": "NamespaceTerminating", "field": "metadata.namespace",
+                                      "message": f"namespace {namespace} is being terminated"}]
+    return api_error(403, body)
 
-    loop, retry = run(scenario())
+
+class NamespacedKube(MemoryKube):
+    """A MemoryKube whose `terminating` namespaces refuse every create, as a namespace being deleted does."""
+
+    def __init__(self, *, with_cause: bool = True) -> None:
+        super().__init__()
+        self.terminating: set[str] = set()
+        self.with_cause = with_cause
+
+    async def create(self, obj: Mapping[str, Any], *, urgent: bool = False) -> dict:
+        meta = obj["metadata"]
+        if meta["namespace"] in self.terminating:
+            self._serve("create", obj["kind"], meta["name"], urgent)
+            raise terminating_refusal(meta["namespace"], obj["kind"], meta["name"], with_cause=self.with_cause)
+        return await super().create(obj, urgent=urgent)
+
+    def creates(self) -> int:
+        return sum(1 for verb, _, _ in self.requests if verb == "create")
+
+
+def new_job_in(kube: MemoryKube, namespace: str, name: str = "ppo") -> dict:
+    doc = new_job(MemoryKube(), name)
+    doc["metadata"]["namespace"] = namespace
+    return kube.put(doc)
+
+
+@pytest.mark.parametrize("with_cause", [True, False], ids=["cause", "message-only"])
+def test_a_terminating_namespace_stops_its_jobs_without_retries(with_cause: bool) -> None:
+    """No retry, no status write, no Event; and no further creates, whatever events follow."""
+
+    async def scenario() -> tuple[Loop, float | None, int]:
+        loop = Loop(NamespacedKube(with_cause=with_cause))
+        loop.kube.terminating.add(NS)
+        key = loop.observe_job(new_job(loop.kube))
+        retry = await loop.reconciler.process(key)
+        first = loop.kube.creates()
+        # what follows while the namespace goes: its objects deleted, pods going, the job touched, a resync
+        rayjob = {"apiVersion": "ray.io/v1", "kind": "RayJob",
+                  "metadata": {"name": names.rayjob_name("ppo"), "namespace": NS, "uid": "r1",
+                               "labels": names.labels("ppo")}}
+        loop.reconciler.rayjob_event(rayjob, "DELETED")
+        loop.reconciler.pod_event({"metadata": {"name": "ppo-head", "namespace": NS, "labels": names.labels("ppo")},
+                                   "status": {}}, "MODIFIED")
+        loop.job_event(loop.stored_job(), "MODIFIED")
+        loop.reconciler._applied.clear()  # as the safety-net resync does
+        loop.reconciler.queue.add(key)
+        await loop.settle()
+        return loop, retry, first
+
+    loop, retry, first = run(scenario())
     assert retry is None
+    assert 1 <= first <= 5, "one attempt per child at most"
+    assert loop.kube.creates() == first, f"created again after the refusal: {loop.kube.requests}"
+    assert ("get", "RLTrainingJob", "ppo") not in loop.kube.requests  # not even read again
     assert ("patch-status", "RLTrainingJob") not in loop.kube.verbs() and loop.events == []
+
+
+def test_a_terminating_namespace_wins_over_other_errors_of_the_same_run() -> None:
+    async def scenario() -> float | None:
+        loop = Loop(NamespacedKube())
+        loop.kube.refuse[("create", "ServiceAccount")] = terminating_refusal(NS, "ServiceAccount", "ppo-runtime")
+        loop.kube.refuse[("create", "RayJob")] = api_error(500)
+        key = loop.observe_job(new_job(loop.kube))
+        return await loop.reconciler.process(key)
+
+    assert run(scenario()) is None
+
+
+def test_other_namespaces_and_a_recreated_namespace_are_reconciled() -> None:
+    async def scenario() -> tuple[Loop, int, int]:
+        loop = Loop(NamespacedKube())
+        loop.kube.terminating.add(NS)  # team-a is going, team-b is not
+        going = new_job(loop.kube)
+        loop.job_event(going, "ADDED")
+        loop.job_event(new_job_in(loop.kube, "team-b"), "ADDED")
+        await loop.settle()
+        other = sum(1 for verb, kind, _ in loop.kube.requests if verb == "create" and kind == "RayJob")
+        # the namespace finishes deleting, and a namespace of the same name is created with a new job in it
+        loop.job_event(going, "DELETED")
+        del loop.kube.objects[("RLTrainingJob", NS, "ppo")]
+        loop.kube.terminating.discard(NS)
+        loop.kube.requests.clear()
+        loop.job_event(new_job(loop.kube), "ADDED")
+        await loop.settle()
+        again = sum(1 for verb, kind, _ in loop.kube.requests if verb == "create" and kind == "RayJob")
+        return loop, other, again
+
+    loop, other, again = run(scenario())
+    assert other == 1 and ("RayJob", "team-b", names.rayjob_name("ppo")) in loop.kube.objects
+    assert again == 1 and loop.rayjob() is not None
+
+
+def test_a_job_deleted_while_its_children_were_refused_leaves_no_mark_on_the_namespace() -> None:
+    async def scenario() -> Loop:
+        loop = Loop(NamespacedKube())
+        loop.kube.terminating.add(NS)
+        job = new_job(loop.kube)
+        key = loop.observe_job(job)
+        refuse = loop.kube.create
+
+        async def create_after_the_job_went(obj: Mapping[str, Any], *, urgent: bool = False) -> dict:
+            loop.job_event(job, "DELETED")  # the DELETED event lands while the create is in flight
+            return await refuse(obj, urgent=urgent)
+
+        loop.kube.create = create_after_the_job_went  # type: ignore[method-assign]
+        assert await loop.reconciler.process(key) is None
+        loop.kube.create = refuse  # type: ignore[method-assign]
+        await loop.settle()
+        loop.kube.terminating.discard(NS)  # a new namespace of the same name
+        del loop.kube.objects[("RLTrainingJob", NS, "ppo")]
+        loop.job_event(new_job(loop.kube), "ADDED")
+        await loop.settle()
+        return loop
+
+    assert run(scenario()).rayjob() is not None
 
 
 def test_an_api_error_retries_later() -> None:

@@ -17,7 +17,7 @@ from hybridflow.k8s.errors import RenderError
 from hybridflow.k8s.patches import layout_changed, merge_patch, ownership_problem, rayjob_patch, stale_owner
 from hybridflow.k8s.render import render
 from hybridflow.k8s.settings import RenderSettings
-from hybridflow_operator.machinery.client import ApiException, Kube
+from hybridflow_operator.machinery.client import ApiException, Kube, namespace_terminating
 from hybridflow_operator.observed import JobView
 from hybridflow_operator.status import compute_status
 
@@ -72,8 +72,10 @@ async def ensure_children(kube: Kube, job: JobView, settings: RenderSettings, *,
         return_exceptions=True,
     )
     errors = [e for e in outcomes if isinstance(e, BaseException)]
-    if errors:  # the user's problem first: a name conflict says more than an API error
-        raise next((e for e in errors if isinstance(e, RenderError)), errors[0])
+    if errors:  # the user's problem first: a name conflict says more than an API error; then a namespace
+        # being deleted, which ends the job whatever else went wrong
+        raise next((e for e in errors if isinstance(e, RenderError)),
+                   next((e for e in errors if namespace_terminating(e)), errors[0]))
     return applied
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from hybridflow.k8s import contract
-from hybridflow_operator.machinery.client import FIELD_MANAGER, ApiException, Kube, api_message
+from hybridflow_operator.machinery.client import FIELD_MANAGER, ApiException, Kube, api_message, namespace_terminating
 
 MAX_MESSAGE = 1024  # what kopf posts at most; the API server refuses far longer ones
 log = logging.getLogger(__name__)
@@ -57,6 +57,10 @@ class EventPoster:
         try:
             await self.kube.create(body)
         except (ApiException, aiohttp.ClientError, TimeoutError) as e:  # an Event is auxiliary: note and go on
+            if namespace_terminating(e):  # the job goes with its namespace, and so would the Event
+                log.debug("no Event %s about %s: its namespace is being deleted", body["reason"],
+                          body["involvedObject"]["name"])
+                return
             detail = api_message(e) if isinstance(e, ApiException) else repr(e)
             log.warning("could not post Event %s about %s: %s", body["reason"], body["involvedObject"]["name"], detail)
 

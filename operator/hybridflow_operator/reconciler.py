@@ -73,6 +73,7 @@ class Reconciler:
         self._recheck: set[Key] = set()  # read the job again before acting: its RayJob vanished
         self._reports: dict[Key, list[Report]] = {}  # Events waiting for the job's next status write
         self._sources: list[asyncio.Event] = []  # each set once its informer has listed
+        self._terminating: set[str] = set()  # namespaces being deleted: their jobs go with them
 
     def follows(self, listed: asyncio.Event) -> None:
         """Hold every run until this informer has listed once (`listed` is set).
@@ -88,6 +89,8 @@ class Reconciler:
         key = self.observed.job(job, deleted=event_type == "DELETED")
         if event_type == "DELETED":
             self._forget(key)
+            if job.namespace in self._terminating and not self._has_jobs(job.namespace):
+                self._terminating.discard(job.namespace)  # its last job is gone: a namespace of that name is new
         self.queue.add(key)
 
     def rayjob_event(self, body: Mapping[str, Any], event_type: str | None) -> None:
@@ -110,6 +113,9 @@ class Reconciler:
         """Apply the spec if needed, then sync the status; seconds until a retry, or None."""
         for listed in self._sources:
             await listed.wait()
+        if key[0] in self._terminating:
+            self._forget(key)
+            return None  # the namespace is being deleted: nothing to create, nothing to report
         if key in self._recheck:
             try:
                 fresh = await self.kube.get(JOB_API_VERSION, KIND, *key)
@@ -143,7 +149,8 @@ class Reconciler:
                 self._stalled[key] = Stalled(revision, e)
             except ApiException as e:
                 if namespace_terminating(e):
-                    return None  # the job goes with its namespace
+                    self._namespace_terminating(key)
+                    return None
                 if e.status != 422:
                     log.warning("applying %s/%s: API error %s: %s; retrying in %.0f s", *key, e.status,
                                 api_message(e), RETRY_DELAY_S)
@@ -258,6 +265,22 @@ class Reconciler:
                             "only suspend, TTL, deadline and the rollout group's replicas apply to a running job"))
         if reports:
             self._reports.setdefault(key, []).extend(reports)
+
+    def _namespace_terminating(self, key: Key) -> None:
+        """The API server refused a child: the job's namespace is being deleted, and the job with it.
+
+        Every job of that namespace stops here, without a retry, a status write or an Event (each would be
+        refused too, or be deleted a moment later), until its last job is gone (job_event).
+        """
+        self._forget(key)
+        if key[0] in self._terminating or not self._has_jobs(key[0]):  # noted already; or its jobs are gone
+            return
+        log.info("namespace %s is being deleted: its RLTrainingJobs go with it, nothing more is created there",
+                 key[0])
+        self._terminating.add(key[0])
+
+    def _has_jobs(self, namespace: str) -> bool:
+        return any(ns == namespace for ns, _ in self.observed.jobs)
 
     def _forget(self, key: Key) -> None:
         self._applied.pop(key, None)

@@ -54,15 +54,23 @@ def load_configuration() -> client.Configuration:
     return configuration
 
 
-def namespace_terminating(e: ApiException) -> bool:
-    """A create refused because the namespace is being deleted: the job goes with it, nothing to retry."""
-    if e.status != 403:
+def namespace_terminating(e: BaseException) -> bool:
+    """A create refused because the namespace is being deleted: the job goes with it, nothing to retry.
+
+    403 Forbidden from the API server's NamespaceLifecycle admission, with the cause NamespaceTerminating
+    (or, from servers that add no cause, its message "... because it is being terminated").
+    """
+    if not isinstance(e, ApiException) or e.status != 403:
         return False
     try:
-        causes = (json.loads(e.body or "{}").get("details") or {}).get("causes") or []
+        body = json.loads(e.body or "{}")
     except ValueError:
         return False
-    return any(c.get("reason") == "NamespaceTerminating" for c in causes)
+    if not isinstance(body, dict):
+        return False
+    causes = (body.get("details") or {}).get("causes") or []
+    return (any(c.get("reason") == "NamespaceTerminating" for c in causes)
+            or "because it is being terminated" in str(body.get("message") or ""))
 
 
 def api_message(e: ApiException) -> str:
