@@ -751,3 +751,26 @@ def test_an_event_names_the_job_and_normal_ones_follow_the_event_level() -> None
         return kube.created
 
     assert [(e["type"], e["reason"]) for e in run(scenario())] == [("Warning", "InvalidGraph")]
+
+
+def test_an_event_refused_by_a_terminating_namespace_is_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    ref = {"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLTrainingJob",
+           "metadata": {"name": "ppo", "namespace": NS, "uid": "u1"}}
+
+    class Refusing:
+        def __init__(self, error: ApiException) -> None:
+            self.error = error
+
+        async def create(self, obj: dict) -> dict:
+            raise self.error
+
+    async def scenario(error: ApiException) -> None:
+        poster = EventPoster(Refusing(error), logging.INFO)  # type: ignore[arg-type]
+        poster(ref, "Warning", "InvalidGraph", "spec.graph: ...")
+        await poster.close()
+
+    with caplog.at_level(logging.WARNING, logger="hybridflow_operator.events"):
+        run(scenario(terminating_refusal(NS, "Event", "ppo.1")))
+        assert caplog.records == []
+        run(scenario(api_error(500)))
+        assert [r.levelname for r in caplog.records] == ["WARNING"]
