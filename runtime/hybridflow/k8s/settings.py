@@ -84,7 +84,8 @@ def parse_gpu_products(value: str) -> dict[str, tuple[str, ...]]:
 
 
 def parse_network_policy_peers(value: str) -> tuple[Mapping[str, Any], ...]:
-    """A JSON or YAML list of NetworkPolicyPeers (podSelector, namespaceSelector, ipBlock); [] admits none."""
+    """A JSON or YAML list of NetworkPolicyPeers (podSelector, namespaceSelector, ipBlock); [] admits only the
+    job's own pods."""
     try:
         doc = yaml.safe_load(value)
     except yaml.YAMLError as e:
