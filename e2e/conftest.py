@@ -4,6 +4,8 @@
 controllers at all (as envtest): tests may play the controllers' part themselves.
 `full_cluster`: a separate control plane with controller-manager, scheduler, kwok fake GPU nodes
 and the KubeRay operator. Both are session-scoped and started on first use.
+`operator` / `running`: our operator as a subprocess against `control_plane`, once per test module
+(a module's OPERATOR_ENV adds to its environment); `crd`: our CRD installed there.
 
 Missing binaries are built with e2e/toolchain/build.sh when Go is installed, right after
 collection (a cold build outlasts any per-test timeout). Without Go the tests skip with
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -29,9 +32,11 @@ if str(ROOT) not in sys.path:  # `python -m e2e.harness` and the tests import th
 
 from e2e.harness import binaries  # noqa: E402
 from e2e.harness.controlplane import ControlPlane, StartupError  # noqa: E402
+from e2e.harness.operator import OperatorProcess  # noqa: E402
 from tests.helpers import in_ci  # noqa: E402
 
 CRDS_DIR = ROOT / "crds"
+CRD_NAME = "rltrainingjobs.hybridflow.io"
 CLUSTER_FIXTURES = {"control_plane", "full_cluster", "kuberay_crds", "namespace", "minimal_binaries", "full_binaries"}
 FULL_FIXTURES = {"full_cluster", "full_binaries"}
 HOW_TO_ENABLE = (
@@ -184,3 +189,49 @@ def namespace(request: pytest.FixtureRequest) -> Iterator[str]:
     cp.create_namespace(name)
     yield name
     cp.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def crd(control_plane: ControlPlane) -> str:
+    """Our CRD, from crds/ (installed by the fixture) or generated now; skip only if neither exists."""
+    if control_plane.kubectl("get", "crd", CRD_NAME, check=False).returncode == 0:
+        return control_plane.kubectl("get", "crd", CRD_NAME, "-o", "yaml").stdout
+    generated = subprocess.run(
+        [sys.executable, "-m", "hybridflow.api.crd", "--stdout"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        timeout=120,
+    )
+    if generated.returncode != 0:
+        pytest.skip(f"no CRD in crds/ and `python -m hybridflow.api.crd --stdout` failed: {generated.stderr[-500:]}")
+    control_plane.kubectl("apply", "--server-side", "-f", "-", input=generated.stdout)
+    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
+    return generated.stdout
+
+
+@pytest.fixture(scope="module")
+def operator(
+    request: pytest.FixtureRequest, control_plane: ControlPlane, crd: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    """The operator against `control_plane`, one per test module, with the module's OPERATOR_ENV on top."""
+    # These tests play KubeRay's part; a KubeRay operator in the same control plane would race them.
+    assert "kuberay-operator" not in control_plane.processes, "control_plane must run no KubeRay operator"
+    env = {**control_plane.env, "HYBRIDFLOW_STATUS_INTERVAL": "600", "HYBRIDFLOW_LOG_LEVEL": "INFO",
+           "PYTHONUNBUFFERED": "1", **getattr(request.module, "OPERATOR_ENV", {})}
+    op = OperatorProcess(tmp_path_factory.mktemp("operator") / "operator.log", env)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+
+
+@pytest.fixture
+def running(operator: OperatorProcess) -> Iterator[OperatorProcess]:
+    """The operator, checked alive before and after the test (a crash is a failure, with its log)."""
+    if not operator.alive():
+        operator.start()
+    yield operator
+    assert operator.alive(), f"the operator died:\n{operator.tail()}"

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ from tests.helpers import condition, kuberay_resources, without_pod_storage
 pytestmark = pytest.mark.controlplane
 
 ROOT = Path(__file__).resolve().parents[1]
-CRD_NAME = "rltrainingjobs.hybridflow.io"
 WAIT_S = 60.0
 CHILD_KINDS = (
     "configmap",
@@ -40,51 +38,6 @@ CHILD_KINDS = (
     "rolebinding.rbac.authorization.k8s.io",
     "rayjob.ray.io",
 )
-
-
-@pytest.fixture(scope="module")
-def crd(control_plane: ControlPlane) -> str:
-    """Our CRD, from crds/ (installed by the fixture) or generated now; skip only if neither exists."""
-    if control_plane.kubectl("get", "crd", CRD_NAME, check=False).returncode == 0:
-        return control_plane.kubectl("get", "crd", CRD_NAME, "-o", "yaml").stdout
-    generated = subprocess.run(
-        [sys.executable, "-m", "hybridflow.api.crd", "--stdout"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-        timeout=120,
-    )
-    if generated.returncode != 0:
-        pytest.skip(f"no CRD in crds/ and `python -m hybridflow.api.crd --stdout` failed: {generated.stderr[-500:]}")
-    control_plane.kubectl("apply", "--server-side", "-f", "-", input=generated.stdout)
-    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD_NAME}")
-    return generated.stdout
-
-
-@pytest.fixture(scope="module")
-def operator(
-    control_plane: ControlPlane, crd: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorProcess]:
-    # These tests play KubeRay's part; a KubeRay operator in the same control plane would race them.
-    assert "kuberay-operator" not in control_plane.processes, "control_plane must run no KubeRay operator"
-    env = {**control_plane.env, "HYBRIDFLOW_STATUS_INTERVAL": "600", "HYBRIDFLOW_LOG_LEVEL": "INFO",
-           "PYTHONUNBUFFERED": "1"}
-    op = OperatorProcess(tmp_path_factory.mktemp("operator") / "operator.log", env)
-    op.start()
-    try:
-        yield op
-    finally:
-        op.stop()
-
-
-@pytest.fixture
-def running(operator: OperatorProcess) -> Iterator[OperatorProcess]:
-    """The operator, checked alive before and after the test (a crash is a failure, with its log)."""
-    if not operator.alive():
-        operator.start()
-    yield operator
-    assert operator.alive(), f"the operator died:\n{operator.tail()}"
 
 
 # -- helpers ------------------------------------------------------------------------------------------------

@@ -119,7 +119,8 @@ def namespaced(helm: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("sets", [[], ["watchNamespaces={a,b}"], ["crds.install=false", "crds.keep=false"],
-                                  ["metrics.serviceMonitor.enabled=true", "metrics.podMonitor.enabled=true"]])
+                                  ["metrics.serviceMonitor.enabled=true", "metrics.podMonitor.enabled=true"],
+                                  ["networkPolicy.enabled=true", "watchNamespaces={a}"]])
 def test_helm_lint(helm: str, sets: list[str]) -> None:
     args = ["lint", "--strict", str(CHART), "--kube-version", KUBE_VERSION]
     for s in sets:
@@ -229,29 +230,84 @@ def test_overrides(helm: str) -> None:
 
 # -- RBAC -------------------------------------------------------------------------------------------
 
-NAMESPACED_RULES = {
-    ("hybridflow.io", "rltrainingjobs"): {"get", "list", "watch"},
-    ("hybridflow.io", "rltrainingjobs/status"): {"get", "patch", "update"},
-    ("ray.io", "rayjobs"): {"get", "list", "watch", "create", "patch", "update", "delete"},
-    ("ray.io", "rayjobs/status"): {"get"},
-    ("ray.io", "rayclusters"): {"get", "list", "watch"},
-    ("", "configmaps"): {"create", "get", "list", "watch", "patch", "update", "delete"},
-    ("", "serviceaccounts"): {"create", "get", "list", "watch", "patch", "update", "delete"},
-    ("", "events"): {"create"},
-    ("", "pods"): {"get", "list", "watch"},
-    ("rbac.authorization.k8s.io", "roles"): {"create", "get", "list", "watch", "patch", "update", "delete"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"create", "get", "list", "watch", "patch", "update", "delete"},
+ALLOWED = {
+    # (apiGroup, resource): {verb: why the operator needs it}
+    ("hybridflow.io", "rltrainingjobs"): {
+        "list": "the informer lists the jobs", "watch": "the informer watches the jobs",
+        "get": "reads a job again when its RayJob vanished",
+    },
+    ("hybridflow.io", "rltrainingjobs/status"): {
+        "patch": "writes the status; granted to each job's Ray pods (progress), and a Role grants only what "
+                 "its creator holds",
+    },
+    ("ray.io", "rayjobs"): {
+        "list": "the informer", "watch": "the informer", "get": "reads a child before patching it",
+        "create": "the job's RayJob", "patch": "suspend, TTL, deadline and rollout replicas",
+    },
+    ("", "configmaps"): {"get": "reads a child", "create": "the job's config", "patch": "a changed spec"},
+    ("", "serviceaccounts"): {"get": "reads a child", "create": "the Ray pods' identity",
+                              "patch": "workload-identity annotations"},
+    ("", "events"): {"create": "Events about the jobs"},
+    ("", "pods"): {"list": "the informer of unbound Ray pods (Unschedulable)", "watch": "the same informer"},
+    ("rbac.authorization.k8s.io", "roles"): {"get": "reads a child", "create": "the Ray pods' Role",
+                                             "patch": "rules brought back to the rendered ones"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get": "reads a child", "create": "binds the Role",
+                                                    "patch": "subjects brought back to the rendered ones"},
 }
+"""Every verb the chart grants the operator, with its reason. A verb not here fails the tests: add it only with
+the request of the operator that needs it, as the reason."""
+NETWORK_POLICY_ALLOWED = {
+    ("networking.k8s.io", "networkpolicies"): {"get": "reads a child", "create": "each job's NetworkPolicy",
+                                               "patch": "peers brought back to the configured ones"},
+}
+"""Granted only with networkPolicy.enabled."""
+NAMESPACED_RULES = {resource: set(verbs) for resource, verbs in ALLOWED.items()}
 
 
 def grants(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
     out: dict[tuple[str, str], set[str]] = {}
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
+        assert "resourceNames" not in rule or rule["resourceNames"], rule
         for group in rule["apiGroups"]:
             for resource in rule["resources"]:
                 out.setdefault((group, resource), set()).update(rule["verbs"])
     return out
+
+
+def unjustified(granted: dict[tuple[str, str], set[str]], allowed: dict[tuple[str, str], dict[str, str]]) -> list[str]:
+    """`group/resource: verb` for each grant the allow-list has no reason for."""
+    return [f"{group or 'core'}/{resource}: {verb}" for (group, resource), verbs in sorted(granted.items())
+            for verb in sorted(verbs) if verb not in allowed.get((group, resource), {})]
+
+
+def assert_least_privilege(role: dict[str, Any], allowed: dict[tuple[str, str], dict[str, str]]) -> None:
+    extra = unjustified(grants(role), allowed)
+    assert not extra, (f"{role['kind']} {role['metadata']['name']} grants more than the allow-list: {extra}. "
+                       "Justify each new verb in ALLOWED (tests/test_chart.py) with the request that needs it, "
+                       "or drop it from the chart")
+    missing = unjustified({k: set(v) for k, v in allowed.items()}, {k: dict.fromkeys(v) for k, v in
+                                                                    grants(role).items()})
+    assert not missing, f"the chart no longer grants {missing}: drop them from ALLOWED too"
+
+
+def test_every_verb_the_operator_holds_is_justified(helm: str, default: list[dict[str, Any]],
+                                                    namespaced: list[dict[str, Any]]) -> None:
+    assert_least_privilege(one(default, "ClusterRole"), ALLOWED)
+    for role in by_kind(namespaced, "Role"):
+        assert_least_privilege(role, ALLOWED)
+    with_policy = render(helm, "networkPolicy.enabled=true")
+    assert_least_privilege(one(with_policy, "ClusterRole"), ALLOWED | NETWORK_POLICY_ALLOWED)
+
+
+def test_the_allow_list_check_fails_on_a_new_verb(default: list[dict[str, Any]]) -> None:
+    role = json.loads(json.dumps(one(default, "ClusterRole")))
+    role["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]})
+    with pytest.raises(AssertionError, match=r"core/secrets: get.*Justify"):
+        assert_least_privilege(role, ALLOWED)
+    role["rules"][-1] = {"apiGroups": ["ray.io"], "resources": ["rayjobs"], "verbs": ["delete"]}
+    with pytest.raises(AssertionError, match=r"ray\.io/rayjobs: delete"):
+        assert_least_privilege(role, ALLOWED)
 
 
 def test_cluster_wide_rbac(default: list[dict[str, Any]]) -> None:
@@ -300,6 +356,33 @@ def test_the_operator_holds_what_it_grants_to_ray_pods(default: list[dict[str, A
         plural = {"ConfigMap": "configmaps", "ServiceAccount": "serviceaccounts", "Role": "roles"}
         plural |= {"RoleBinding": "rolebindings", "RayJob": "rayjobs"}
         assert "create" in held[(group, plural[child["kind"]])], child["kind"]
+
+
+# -- NetworkPolicy ---------------------------------------------------------------------------------
+
+
+def test_network_policies_are_off_by_default(default: list[dict[str, Any]]) -> None:
+    assert "HYBRIDFLOW_NETWORK_POLICY_PEERS" not in env(default)
+    assert ("networking.k8s.io", "networkpolicies") not in grants(one(default, "ClusterRole"))
+
+
+def test_network_policies_admit_the_operator_and_kuberay(helm: str) -> None:
+    from hybridflow.k8s.settings import RenderSettings
+
+    docs = render(helm, "networkPolicy.enabled=true")
+    peers_env = "HYBRIDFLOW_NETWORK_POLICY_PEERS"
+    settings = RenderSettings.from_env({peers_env: env(docs)[peers_env]})
+    operator, kuberay = settings.network_policy_peers or ()
+    assert operator["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert operator["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert kuberay == {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name":
+                                                                                "kuberay-operator"}}}
+    narrowed = render(helm, "networkPolicy.enabled=true", set_json=(
+        'networkPolicy.ingressFrom=[{"namespaceSelector": {"matchLabels": '
+        '{"kubernetes.io/metadata.name": "ray-system"}}}]',))
+    peers = json.loads(env(narrowed)["HYBRIDFLOW_NETWORK_POLICY_PEERS"])
+    assert peers[1:] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ray-system"}}}]
 
 
 # -- CRD --------------------------------------------------------------------------------------------
@@ -445,7 +528,7 @@ def test_rendered_chart_is_accepted_and_its_rbac_suffices(helm: str, apiserver: 
         ("create", "events"),
     ]
     if kuberay:  # kubectl resolves resource names through discovery: ray.io exists only with its CRDs
-        checks += [("create", "rayjobs.ray.io"), ("watch", "rayclusters.ray.io")]
+        checks += [("create", "rayjobs.ray.io"), ("watch", "rayjobs.ray.io")]
     for verb, resource, *more in checks:
         can = kubectl(apiserver, "auth", "can-i", verb, resource, *more, "-n", job_ns, f"--as={sa}")
         assert can.stdout.strip() == "yes", (verb, resource, can.stdout, can.stderr)

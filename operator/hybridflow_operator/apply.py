@@ -23,10 +23,11 @@ from hybridflow_operator.status import compute_status
 
 CONFLICT_RETRIES = 5
 RETRYABLE = {409, 422}  # resourceVersion conflict; a failed JSON-patch test (the list moved)
-# KubeRay's way from a RayJob to running pods is long, and the pods need their ServiceAccount: these two
-# are created first, in this order, and ahead of every other job's ConfigMap, Role and RoleBinding
-# (needed only once a container runs).
-LEADING_KINDS = ("ServiceAccount", "RayJob")
+# KubeRay's way from a RayJob to running pods is long, and the pods need their ServiceAccount: these are
+# created first, in this order, and ahead of every other job's ConfigMap, Role and RoleBinding (needed only
+# once a container runs). The NetworkPolicy (when the operator renders one) comes before the RayJob, so no
+# Ray pod ever runs unprotected.
+LEADING_KINDS = ("ServiceAccount", "NetworkPolicy", "RayJob")
 
 
 class ChildConflict(RenderError):
@@ -50,7 +51,7 @@ class Applied:
 async def ensure_children(kube: Kube, job: JobView, settings: RenderSettings, *, fresh: bool) -> Applied:
     """Create what is missing, patch what may change; RenderError/ChildConflict when it cannot.
 
-    The ServiceAccount and then the RayJob go as urgent requests (LEADING_KINDS); the other three go
+    The ServiceAccount, the NetworkPolicy and then the RayJob go as urgent requests (LEADING_KINDS); the rest go
     to the API server at the same time, behind them. A `fresh` job (one the operator never wrote a
     status for) has none yet: each child is POSTed straight away and read only when it turns out to
     exist (409). Otherwise each is read first, which costs a GET instead of a refused POST for every

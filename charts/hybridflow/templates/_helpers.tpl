@@ -57,10 +57,11 @@ app.kubernetes.io/part-of: hybridflow
 {{- end }}
 
 {{/*
-Rules for the namespaced resources the operator reconciles. Bound cluster-wide (ClusterRole) when
-watchNamespaces is empty, else once per watched namespace (Role). The operator creates a Role per job
-granting get on the job and get/patch on its status to the Ray pods: Kubernetes only lets it grant
-what it holds itself, so those verbs must stay here.
+Rules for the namespaced resources the operator reconciles: exactly the requests it makes, no more
+(tests/test_chart.py holds the allow-list, each verb with its reason). Bound cluster-wide (ClusterRole)
+when watchNamespaces is empty, else once per watched namespace (Role). The operator creates a Role per
+job granting patch on the job's status to the Ray pods: Kubernetes only lets it grant what it holds
+itself, so that verb must stay here.
 */}}
 {{- define "hybridflow.namespacedRules" -}}
 - apiGroups: ["hybridflow.io"]
@@ -68,26 +69,34 @@ what it holds itself, so those verbs must stay here.
   verbs: ["get", "list", "watch"]
 - apiGroups: ["hybridflow.io"]
   resources: ["rltrainingjobs/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["patch"]
 - apiGroups: ["ray.io"]
   resources: ["rayjobs"]
-  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
-- apiGroups: ["ray.io"]
-  resources: ["rayjobs/status"]
-  verbs: ["get"]
-- apiGroups: ["ray.io"]
-  resources: ["rayclusters"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["configmaps", "serviceaccounts"]
-  verbs: ["create", "get", "list", "watch", "patch", "update", "delete"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["list", "watch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["create", "get", "list", "watch", "patch", "update", "delete"]
+  verbs: ["get", "create", "patch"]
+{{- if .Values.networkPolicy.enabled }}
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
+{{- end }}
+
+{{/*
+The peers each job's NetworkPolicy admits besides the job's own pods, as JSON: the operator's pods
+(this release's, in its namespace), then networkPolicy.ingressFrom.
+*/}}
+{{- define "hybridflow.networkPolicyPeers" -}}
+{{- $operator := dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" (include "hybridflow.selectorLabels" . | fromYaml)) }}
+{{- prepend (.Values.networkPolicy.ingressFrom | default list) $operator | toJson }}
 {{- end }}

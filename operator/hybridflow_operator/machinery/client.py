@@ -30,6 +30,7 @@ PLURALS = {
     ("v1", "Event"): "events",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("ray.io/v1", "RayJob"): "rayjobs",
     (JOB_API_VERSION, KIND): PLURAL,
 }

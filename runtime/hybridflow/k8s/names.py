@@ -34,6 +34,8 @@ own, Kueue's and other SIG projects', the operator's and KubeRay's, and the GitO
 (app.kubernetes.io/instance, argocd.argoproj.io/instance, ...), which would make Argo CD or Flux claim
 objects that are not in Git."""
 RAY_GROUP_LABEL = "ray.io/group"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+"""The Job controller's label on a Job's pods: KubeRay's submitter Job is named after the RayJob."""
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -61,6 +63,10 @@ def head_service_name(ray_cluster: str) -> str:
 
 def config_map_name(job_name: str) -> str:
     return f"{job_name}-config"
+
+
+def network_policy_name(job_name: str) -> str:
+    return f"{job_name}-ray"
 
 
 def runtime_identity_name(job_name: str) -> str:

@@ -2,7 +2,7 @@
 
 A running RayJob takes only a few changes (KubeRay ignores the rest of rayClusterSpec after
 creation): suspend, the TTL and deadline, and the replicas of the rollout worker group. The
-ConfigMap and the Role are replaced wholesale by their desired content. The ServiceAccount's
+ConfigMap, the Role and the NetworkPolicy are replaced wholesale by their desired content. The ServiceAccount's
 annotations (workload identity) are added or changed, never removed: cloud controllers and admins
 annotate it too, and the operator keeps no record of which keys were its own.
 """
@@ -16,7 +16,7 @@ from hybridflow.k8s.names import CLUSTER_HASH_ANNOTATION, GENERATION_ANNOTATION
 
 RAYJOB_FIELDS = ("suspend", "ttlSecondsAfterFinished", "activeDeadlineSeconds")
 REPLICA_FIELDS = ("replicas", "minReplicas", "maxReplicas")
-MERGED_FIELDS = {"ConfigMap": ("data",), "Role": ("rules",), "RoleBinding": ("subjects",)}
+MERGED_FIELDS = {"ConfigMap": ("data",), "Role": ("rules",), "RoleBinding": ("subjects",), "NetworkPolicy": ("spec",)}
 ANNOTATED_KINDS = ("ServiceAccount",)
 
 

@@ -3,7 +3,7 @@
 GPU pods: pinned to the GPU products of spec.cluster.gpuType, tolerate the nvidia.com/gpu taint,
 limits equal requests (KubeRay reads GPUs from limits), a memory-backed /dev/shm of spec size, NCCL
 settings. Pods without GPUs get NVIDIA_VISIBLE_DEVICES=void so the container runtime hides the
-node's GPUs from them.
+node's GPUs from them. Every Ray container drops all capabilities and may not gain privileges.
 
 The pod settings of spec.cluster (volumes, mounts, env, envFrom, imagePullSecrets, priorityClassName,
 pod labels and annotations) go into the head and every worker group alike, after the operator's own: its
@@ -13,6 +13,7 @@ variable wins over envFrom in Kubernetes, so a Secret cannot shadow them.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -38,6 +39,9 @@ GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001), (DASHBOARD_PORT_NAME, DASHBOARD_PORT))
 """Ray's ports, and the scheduler dashboard the driver serves on the head (KubeRay's head Services expose each)."""
+RAY_CONTAINER_SECURITY: dict = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+"""Ray needs no Linux capability and no setuid: every Ray container drops them all. (Not a read-only root:
+Ray writes its session under /tmp/ray; not a user: the image's own, uid 1000 in Ray's images.)"""
 _CONFIG_VOLUME = "hybridflow-config"
 _SHM_VOLUME = "dshm"
 
@@ -62,6 +66,7 @@ def head_group(ctx: PodContext) -> dict:
     container = {
         "name": "ray-head",
         "image": ctx.image,
+        "securityContext": _security(),
         "imagePullPolicy": "IfNotPresent",
         "ports": [{"name": name, "containerPort": port} for name, port in HEAD_PORTS],
         "resources": _resources(ctx.cluster.head_cpus, ctx.cluster.head_memory, 0),
@@ -86,6 +91,7 @@ def worker_group(plan: WorkerGroupPlan, ctx: PodContext) -> dict:
     container = {
         "name": "ray-worker",
         "image": ctx.image,
+        "securityContext": _security(),
         "imagePullPolicy": "IfNotPresent",
         "resources": _resources(plan.cpus, plan.memory, plan.gpus),
         "env": env,
@@ -132,6 +138,7 @@ def submitter_template(ctx: PodContext) -> dict:
     container = _with_user_settings({
         "name": "ray-job-submitter",
         "image": ctx.image,
+        "securityContext": _security(),
         "resources": {"requests": {"cpu": "500m", "memory": "200Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
         "env": [],
         "volumeMounts": [],
@@ -251,6 +258,10 @@ def _config_mount() -> dict:
 
 def _config_volume(ctx: PodContext) -> dict:
     return {"name": _CONFIG_VOLUME, "configMap": {"name": ctx.config_map}}
+
+
+def _security() -> dict:
+    return copy.deepcopy(RAY_CONTAINER_SECURITY)
 
 
 def _env(name: str, value: str) -> dict:

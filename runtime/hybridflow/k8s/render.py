@@ -1,10 +1,13 @@
-"""RLTrainingJob -> the manifests it owns: ConfigMap, ServiceAccount, Role, RoleBinding, RayJob.
+"""RLTrainingJob -> the manifests it owns: ConfigMap, ServiceAccount, Role, RoleBinding, (NetworkPolicy,) RayJob.
 
-Pure: the operator applies exactly this and `hybridflow render FILE` prints exactly this.
+Pure: the operator applies exactly this and `hybridflow render FILE` prints exactly this. Nothing here
+reads a Secret: the pods reference the job's Secrets by name (spec.cluster env, envFrom, volumes), and
+their values reach the containers only through the kubelet.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,7 +44,8 @@ def as_job(job: Mapping[str, Any] | RLTrainingJob) -> RLTrainingJob:
 
 
 def render_children(job: Mapping[str, Any] | RLTrainingJob, settings: RenderSettings) -> list[dict]:
-    """ConfigMap, ServiceAccount, Role, RoleBinding and RayJob, in the order they should be created."""
+    """ConfigMap, ServiceAccount, Role, RoleBinding, the NetworkPolicy when the settings ask for one, and the
+    RayJob, in the order they should be created."""
     return render(job, settings).children
 
 
@@ -57,8 +61,10 @@ def render(job: Mapping[str, Any] | RLTrainingJob, settings: RenderSettings) -> 
         _service_account(job, identity, namespace),
         _role(name, identity, namespace),
         _role_binding(identity, namespace),
-        _rayjob(job, layout, settings, namespace),
     ]
+    if settings.network_policy_peers is not None:
+        children.append(_network_policy(job, namespace, settings.network_policy_peers))
+    children.append(_rayjob(job, layout, settings, namespace))
     owner = owner_reference(name, (job.metadata.model_extra or {}).get("uid"))
     for child in children:
         child["metadata"]["labels"] = {**names.labels(name), **child["metadata"].get("labels", {})}
@@ -121,12 +127,12 @@ def _service_account(job: RLTrainingJob, identity: str, namespace: str) -> dict:
 
 
 def _role(job_name: str, identity: str, namespace: str) -> dict:
-    """Read this one job and patch its status (progress); nothing else."""
+    """Patch this one job's status (the runtime's progress reports); nothing else: not its spec, not another
+    job, no Secret. The runtime reads its spec from the ConfigMap, mounted by the kubelet."""
     role = _object("rbac.authorization.k8s.io/v1", "Role", identity, namespace)
     role["rules"] = [
-        {"apiGroups": [API_GROUP], "resources": [PLURAL], "resourceNames": [job_name], "verbs": ["get"]},
         {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/status"], "resourceNames": [job_name],
-         "verbs": ["get", "patch"]},
+         "verbs": ["patch"]},
     ]
     return role
 
@@ -136,6 +142,27 @@ def _role_binding(identity: str, namespace: str) -> dict:
     binding["roleRef"] = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": identity}
     binding["subjects"] = [{"kind": "ServiceAccount", "name": identity, "namespace": namespace}]
     return binding
+
+
+def _network_policy(job: RLTrainingJob, namespace: str, peers: tuple[Mapping[str, Any], ...]) -> dict:
+    """Ray's ports (GCS, dashboard, client, object transfer) have no authentication: the job's Ray pods accept
+    traffic only from one another, from KubeRay's submitter pod of the job (K8sJobMode), and from `peers`
+    (the operator and KubeRay's operator, which polls the head's dashboard). Egress stays open.
+
+    Port-forwarding to the head (`kubectl port-forward`) is not network traffic to the pod: it still works.
+    """
+    name = job.metadata.name
+    sources: list[dict[str, Any]] = [{"podSelector": {"matchLabels": {names.JOB_LABEL: name}}}]
+    if job.spec.cluster.submission_mode == "K8sJobMode":
+        sources.append({"podSelector": {"matchLabels": {names.JOB_NAME_LABEL: names.rayjob_name(name)}}})
+    sources += [copy.deepcopy(dict(peer)) for peer in peers]
+    policy = _object("networking.k8s.io/v1", "NetworkPolicy", names.network_policy_name(name), namespace)
+    policy["spec"] = {
+        "podSelector": {"matchLabels": {names.JOB_LABEL: name}},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": sources}],
+    }
+    return policy
 
 
 def _rayjob(job: RLTrainingJob, layout: Layout, settings: RenderSettings, namespace: str) -> dict:

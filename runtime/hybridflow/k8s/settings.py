@@ -1,4 +1,5 @@
-"""What rendering needs to know about the cluster: its GPU products and the default runtime image.
+"""What rendering needs to know about the cluster: its GPU products, the default runtime image, and whether
+(and from where) the Ray pods of each job accept traffic under a NetworkPolicy.
 
 The operator reads these from its environment (the Helm chart sets them); `hybridflow render` reads
 the same variables, so both print the same manifests.
@@ -10,6 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 import yaml
 
@@ -18,6 +20,8 @@ from hybridflow._version import __version__
 ENV_PREFIX = "HYBRIDFLOW_"
 ENV_GPU_PRODUCTS = f"{ENV_PREFIX}GPU_PRODUCTS"
 ENV_RUNTIME_IMAGE = f"{ENV_PREFIX}RUNTIME_IMAGE"
+ENV_NETWORK_POLICY_PEERS = f"{ENV_PREFIX}NETWORK_POLICY_PEERS"
+PEER_FIELDS = ("podSelector", "namespaceSelector", "ipBlock")
 DEFAULT_RUNTIME_IMAGE = f"docker.io/hybridflow/runtime:{__version__}"
 
 # nvidia.com/gpu.product values (as GPU feature discovery writes them) for each spec.cluster.gpuType.
@@ -45,6 +49,10 @@ class RenderSettings:
     gpu_products: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: DEFAULT_GPU_PRODUCTS)
     runtime_image: str = DEFAULT_RUNTIME_IMAGE
     """Image for Ray pods when spec.cluster.image is empty."""
+    network_policy_peers: tuple[Mapping[str, Any], ...] | None = None
+    """None: no NetworkPolicy. Otherwise each job gets one: its Ray pods accept traffic only from the job's
+    own pods (and KubeRay's submitter pod of the job) and from these NetworkPolicyPeers (the operator,
+    KubeRay's operator, ...), set by the chart through HYBRIDFLOW_NETWORK_POLICY_PEERS."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RenderSettings:
@@ -55,6 +63,8 @@ class RenderSettings:
             values["gpu_products"] = parse_gpu_products(env[ENV_GPU_PRODUCTS])
         if env.get(ENV_RUNTIME_IMAGE):
             values["runtime_image"] = env[ENV_RUNTIME_IMAGE]
+        if env.get(ENV_NETWORK_POLICY_PEERS, "").strip():
+            values["network_policy_peers"] = parse_network_policy_peers(env[ENV_NETWORK_POLICY_PEERS])
         return cls(**values)  # type: ignore[arg-type]
 
 
@@ -73,3 +83,19 @@ def parse_gpu_products(value: str) -> dict[str, tuple[str, ...]]:
             raise SettingsError(f"{ENV_GPU_PRODUCTS}[{gpu_type}] must be a product name or a non-empty list of them")
         out[str(gpu_type)] = tuple(names)
     return out
+
+
+def parse_network_policy_peers(value: str) -> tuple[Mapping[str, Any], ...]:
+    """A JSON or YAML list of NetworkPolicyPeers (podSelector, namespaceSelector, ipBlock); [] admits only the
+    job's own pods."""
+    try:
+        doc = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        raise SettingsError(f"{ENV_NETWORK_POLICY_PEERS} is not valid JSON/YAML: {e}") from None
+    if not isinstance(doc, list):
+        raise SettingsError(f"{ENV_NETWORK_POLICY_PEERS} must be a list of NetworkPolicyPeers")
+    for i, peer in enumerate(doc):
+        if not isinstance(peer, dict) or not peer or not set(peer) <= set(PEER_FIELDS):
+            raise SettingsError(f"{ENV_NETWORK_POLICY_PEERS}[{i}] must be a NetworkPolicyPeer: a mapping of "
+                                f"{', '.join(PEER_FIELDS)}, got {peer!r}")
+    return tuple(dict(peer) for peer in doc)
