@@ -7,10 +7,11 @@ and the KubeRay operator. Both are session-scoped and started on first use.
 `operator` / `running`: our operator as a subprocess against `control_plane`, once per test module
 (a module's OPERATOR_ENV adds to its environment); `crd`: our CRD installed there.
 
-Missing binaries are built with e2e/toolchain/build.sh when Go is installed, right after
-collection (a cold build outlasts any per-test timeout). Without Go the tests skip with
-instructions, except under CI=true, where they must run: there a missing Go or a failed build
-fails the session.
+Missing binaries are built with e2e/toolchain/build.sh when Go is installed: right after
+collection, in the background at a lower CPU priority, while the tests that need no binaries run
+first; the first test that needs them waits for the build before its timeout starts. Without Go
+the tests skip with instructions, except under CI=true, where they must run: there a missing Go
+or a failed build fails those tests.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,9 +51,13 @@ HOW_TO_ENABLE = (
 
 @dataclass
 class Plan:
-    """What this session can run, decided once after collection."""
+    """What this session can run: its binaries wanted after collection, their verdicts on first use."""
 
+    wanted: tuple[str, ...] = ()
+    full_wanted: bool = False
     full: bool = False
+    build: binaries.BackgroundBuild | None = None
+    settled: bool = False
     skip_reason: str | None = None  # set when even the minimal control plane is unavailable
     full_skip_reason: str | None = None
     kuberay_crds_skip_reason: str | None = None
@@ -58,64 +65,128 @@ class Plan:
 
 
 PLAN = pytest.StashKey[Plan]()
+BINARY_MARKERS = {"controlplane", "realnodes", "realnodes_full"}
+BINARY_FIXTURES = CLUSTER_FIXTURES | {"helm"}  # tests/test_chart.py renders with the pinned helm
 
 
 def _may_build() -> bool:
     return binaries.go_available() and os.environ.get("HYBRIDFLOW_E2E_BUILD", "1") != "0"
 
 
-def _obtain(components: tuple[str, ...], config: pytest.Config) -> str | None:
-    """Build what is missing when allowed; returns why the components are unavailable, if they are."""
+def needs_binaries(item: pytest.Item) -> bool:
+    return bool(set(getattr(item, "fixturenames", ())) & BINARY_FIXTURES
+                or {m.name for m in item.iter_markers()} & BINARY_MARKERS)
+
+
+def wanted_components(items: list[pytest.Item]) -> tuple[str, ...]:
+    """The binaries the selected tests run, in the order they are first needed."""
+    fixtures = set().union(*(set(getattr(item, "fixturenames", ())) for item in items)) if items else set()
+    markers = {m.name for item in items for m in item.iter_markers()}
+    wanted: list[str] = []
+    if (fixtures & CLUSTER_FIXTURES) or (markers & BINARY_MARKERS):
+        wanted += [*binaries.MINIMAL, "kubectl", "kuberay-crds"]  # kubectl: a client of the server's version
+    if (fixtures & FULL_FIXTURES) or (markers & {"realnodes", "realnodes_full"}):
+        wanted += [*binaries.FULL, "helm"]  # the cluster tests install the chart
+    if "helm" in fixtures:
+        wanted.append("helm")
+    if markers & {"realnodes", "realnodes_full"}:
+        wanted += binaries.NODE
+    return tuple(dict.fromkeys(wanted))
+
+
+def binaries_last(items: list[pytest.Item]) -> list[pytest.Item]:
+    """Modules whose tests run built binaries go last (whole modules, so module fixtures stay whole): the
+    rest run while a cold machine still builds."""
+    late_modules = {item.module for item in items if needs_binaries(item)} if items else set()
+    early = [item for item in items if getattr(item, "module", None) not in late_modules]
+    return early + [item for item in items if getattr(item, "module", None) in late_modules]
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start building what the selected tests need in the background, and run those tests last."""
+    wanted = wanted_components(items)
+    plan = Plan(wanted=wanted, full_wanted=all(c in wanted for c in binaries.FULL))
+    config.stash[PLAN] = plan
+    if not plan.wanted:
+        return
+    items[:] = binaries_last(items)
+    absent = binaries.missing(plan.wanted)
+    if not absent or not (_may_build() or in_ci()):
+        return
+    log = binaries.cache_dir() / "bin" / "logs" / f"build-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    try:
+        plan.build = binaries.BackgroundBuild(tuple(absent), log).start()
+    except (binaries.MissingBinariesError, OSError) as exc:
+        plan.build_error = f"building the control plane failed: {exc}"
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"building {', '.join(absent)} in the background (log: {log}); "
+                            "the tests that run them go last")
+
+
+def _unavailable(components: tuple[str, ...]) -> str | None:
+    """Why components are missing, or None; missing after a build that had to work is an error."""
     absent = binaries.missing(components)
     if not absent:
         return None
-    if not _may_build() and not in_ci():
-        how = HOW_TO_ENABLE.format(cache=binaries.cache_dir() / "bin")
-        return f"control-plane binaries missing ({', '.join(absent)}): {how}"
-    capture = config.pluginmanager.getplugin("capturemanager")
-    try:
-        with capture.global_and_fixture_disabled():  # show build progress, it can take a while
-            binaries.build(absent)
-        binaries.ensure(components, allow_build=False)
-    except (binaries.MissingBinariesError, OSError) as exc:
-        raise BuildFailed(f"building the control plane failed: {exc}") from exc
-    return None
+    if _may_build() or in_ci():
+        raise BuildFailed(f"control-plane binaries missing after the build: {', '.join(absent)}")
+    return f"control-plane binaries missing ({', '.join(absent)}): " + HOW_TO_ENABLE.format(
+        cache=binaries.cache_dir() / "bin")
 
 
 class BuildFailed(Exception):
     """A build that had to succeed (Go present, or CI=true) did not."""
 
 
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Decide (and build) what the selected cluster tests need before any test timeout starts."""
-    wanted = [set(getattr(item, "fixturenames", ())) for item in items]
-    plan = Plan()
-    config.stash[PLAN] = plan
-    if not any(names & CLUSTER_FIXTURES for names in wanted):
-        return
+def _settle(plan: Plan) -> None:
+    """Wait for the background build once, then decide what can run."""
+    plan.settled = True
     try:
-        if any(names & FULL_FIXTURES for names in wanted):
-            plan.full_skip_reason = _obtain(binaries.FULL, config)
+        if plan.build is not None:
+            plan.build.wait()
+        if plan.full_wanted:
+            plan.full_skip_reason = _unavailable(binaries.FULL)
             plan.full = plan.full_skip_reason is None
-        plan.skip_reason = _obtain(binaries.MINIMAL, config)
-        if _may_build() or in_ci():
-            _obtain(("kubectl",), config)  # a client of the server's version; PATH's may be older
-            if plan.full:
-                _obtain(("helm",), config)  # the cluster tests install the chart
-        elif not (binaries.find("kubectl") or shutil.which("kubectl")):
+        plan.skip_reason = _unavailable(binaries.MINIMAL)
+        if not (binaries.find("kubectl") or shutil.which("kubectl")):
             plan.skip_reason = plan.skip_reason or "kubectl not found: put it on PATH or in KUBEBUILDER_ASSETS"
-        plan.kuberay_crds_skip_reason = _obtain(("kuberay-crds",), config)
-    except BuildFailed as exc:
-        plan.build_error = str(exc)
+        plan.kuberay_crds_skip_reason = _unavailable(("kuberay-crds",))
+    except (BuildFailed, binaries.MissingBinariesError) as exc:
+        plan.build_error = f"building the control plane failed: {exc}"
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Wait for the background build before the test's own timeout starts (pytest-timeout's timer runs
+    inside this wrapper)."""
+    plan = item.config.stash.get(PLAN, None)
+    if plan is not None and not plan.settled and needs_binaries(item):
+        _settle(plan)
+    yield
 
 
 def _plan(request: pytest.FixtureRequest) -> Plan:
     plan = request.config.stash.get(PLAN, None) or Plan()
+    if not plan.settled and not plan.build_error:
+        _settle(plan)
     if plan.build_error:
         pytest.fail(plan.build_error, pytrace=False)
     if plan.skip_reason:
         pytest.skip(plan.skip_reason)
     return plan
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """How long the background build took, per component (the lines build.sh logged)."""
+    plan = terminalreporter.config.stash.get(PLAN, None)
+    if plan is None or plan.build is None or plan.build.finished is None:
+        return
+    terminalreporter.write_line(f"control-plane build: {plan.build.seconds:.0f}s in the background")
+    for line in plan.build.log_path.read_text(errors="replace").splitlines():
+        if ": built in " in line or "ready in" in line:
+            terminalreporter.write_line(f"  {line}")
 
 
 def _start(full: bool, tmp_path_factory: pytest.TempPathFactory) -> ControlPlane:

@@ -5,7 +5,7 @@
 - Ray containers drop every capability and cannot gain privileges; the head has no public Service.
 - The optional per-job NetworkPolicy admits the job's own pods and the configured peers only.
 
-The same properties against a real API server: e2e/test_security.py (a real token, a real Secret).
+The same properties against a real API server: e2e/test_security_controlplane.py (a real token, a real Secret).
 """
 
 from __future__ import annotations

@@ -6,13 +6,16 @@ then $KUBEBUILDER_ASSETS/<binary>, then the version-keyed cache that build.sh fi
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 TOOLCHAIN_DIR = Path(__file__).resolve().parents[1] / "toolchain"
 BUILD_SCRIPT = TOOLCHAIN_DIR / "build.sh"
@@ -60,6 +63,7 @@ FULL = (
     "kuberay",
     "kuberay-crds",
 )
+NODE = ("kubelet", "kube-proxy", "coredns")  # a real kubelet node (build.sh's group `node`)
 
 
 class MissingBinariesError(RuntimeError):
@@ -98,7 +102,11 @@ def _env_override(binary: str) -> Path | None:
 
 
 def find(component: str) -> Path | None:
-    """The binary to run for a component, or None when neither the env nor the cache has it."""
+    """The binary to run for a component, or None when neither the env nor the cache has it.
+
+    A build running meanwhile (build.sh holds its lock while it builds) is waited for first, so a
+    binary it is about to produce is not reported missing."""
+    wait_for_running_build()
     binary = COMPONENTS[component].binary
     if binary is None:
         return kuberay_crd_dir()
@@ -131,6 +139,77 @@ def build(components: tuple[str, ...] | list[str] = (), timeout: float = BUILD_T
     result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, timeout=timeout, check=False)
     if result.returncode != 0:
         raise MissingBinariesError(f"{' '.join(cmd)} failed with exit code {result.returncode}")
+
+
+def _lock_path() -> Path:
+    """build.sh's lock: held for the whole of a build."""
+    return cache_dir() / "bin" / ".build.lock"
+
+
+def wait_for_running_build() -> None:
+    """Block while another process builds (take build.sh's lock, then let it go at once)."""
+    lock = _lock_path()
+    if not lock.exists():
+        return
+    with lock.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@dataclass
+class BackgroundBuild:
+    """build.sh running beside the tests, at a lower CPU priority, its output in a log file.
+
+    The lock is taken here before the child starts and handed to it (HYBRIDFLOW_BUILD_LOCK_FD tells
+    build.sh it holds it already), so a lookup made right after `start` already waits for the build."""
+
+    components: tuple[str, ...]
+    log_path: Path
+    script: Path = BUILD_SCRIPT
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    finished: float | None = None
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    def start(self, niceness: int = 10) -> BackgroundBuild:
+        if not go_available():
+            raise MissingBinariesError("cannot build control-plane binaries: Go is not installed")
+        _lock_path().parent.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("wb")
+        with _lock_path().open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.started = time.monotonic()
+            # build.sh inherits the locked descriptor and so holds the lock until it exits
+            self.process = subprocess.Popen(
+                ["nice", "-n", str(niceness), "bash", str(self.script), *self.components], stdout=self._log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(lock.fileno(),),
+                env={**os.environ, "HYBRIDFLOW_BUILD_LOCK_FD": str(lock.fileno())},
+            )
+        # this process's descriptor is closed: the lock stays with the child until it exits
+        return self
+
+    def wait(self, timeout: float = BUILD_TIMEOUT_S) -> None:
+        """Until the build ends; raises with the log's tail when it failed."""
+        if self.process is None or (self.finished is not None and self.process.returncode == 0):
+            return
+        try:
+            code = self.process.wait(timeout=max(1.0, timeout - (time.monotonic() - self.started)))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        if self.finished is None:
+            self.finished = time.monotonic()
+            if self._log is not None:
+                self._log.close()
+        if code != 0:
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
+            raise MissingBinariesError(f"{self.script.name} {' '.join(self.components)} failed with exit code {code} "
+                                       f"(log: {self.log_path}):\n{tail}")
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
 
 
 def ensure(components: tuple[str, ...], allow_build: bool = True) -> dict[str, Path]:

@@ -36,7 +36,6 @@ from .controlplane import (
 )
 from .hoststate import unmount_under
 
-NODE_BINARIES = ("kubelet", "kube-proxy", "coredns")
 CNI_BIN_DIR = Path("/usr/lib/cni")
 HOST_TOOLS = ("containerd", "ctr", "runc", "iptables", "ip6tables", "conntrack", "ip")
 INSTALL_SCRIPT = "e2e/toolchain/install-node-packages.sh"
@@ -349,7 +348,7 @@ class RealNode:
 
     def start(self) -> RealNode:
         t0 = time.monotonic()
-        bins = binaries.ensure(NODE_BINARIES, self.cp.allow_build)
+        bins = binaries.ensure(binaries.NODE, self.cp.allow_build)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._start_containerd()
         self.timings["containerd_ready"] = time.monotonic() - t0

@@ -149,8 +149,9 @@ main() {
   [[ ${#components[@]} -gt 0 ]] || components=("${ALL[@]}" "${NODE[@]}")
   for c in "${components[@]}"; do spec "$c" >/dev/null; done
   mkdir -p "$BIN_ROOT"
-  # Two test sessions must not build the same binary at once.
-  if command -v flock >/dev/null 2>&1; then
+  # Two test sessions must not build the same binary at once. A caller that took the lock for us passes
+  # its descriptor (HYBRIDFLOW_BUILD_LOCK_FD): holding it open keeps the lock until this script exits.
+  if [[ -z ${HYBRIDFLOW_BUILD_LOCK_FD:-} ]] && command -v flock >/dev/null 2>&1; then
     exec 9>"$BIN_ROOT/.build.lock"
     flock 9
   fi
