@@ -70,6 +70,20 @@ def test_render_shows_the_examples_mounts_and_secret(tmp_path) -> None:
         in head["containers"][0]["env"]
 
 
+def test_render_shows_the_jobs_annotations_on_the_rayjob_and_pods(tmp_path, example_doc) -> None:
+    doc = example_doc("ppo-job.yaml")
+    doc["metadata"]["annotations"] = {"team.example.com/owner": "rl-infra",
+                                      "kubectl.kubernetes.io/last-applied-configuration": "{}"}
+    out = hybridflow("render", write(tmp_path, doc))
+    assert out.returncode == 0, out.stderr
+    rayjob = next(d for d in yaml.safe_load_all(out.stdout) if d["kind"] == "RayJob")
+    assert rayjob["metadata"]["annotations"]["team.example.com/owner"] == "rl-infra"
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    for template in [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]:
+        assert template["metadata"]["annotations"] == {"team.example.com/owner": "rl-infra"}
+    assert "last-applied-configuration" not in out.stdout
+
+
 def test_validate_and_render_take_cpu_quantities(tmp_path, example_doc) -> None:
     doc = example_doc("ppo-job.yaml")
     doc["spec"]["cluster"]["headCpus"] = "250m"

@@ -16,7 +16,7 @@ from hybridflow.k8s import contract, names
 from hybridflow.k8s.errors import RenderError
 from hybridflow.k8s.patches import layout_changed, merge_patch, ownership_problem, rayjob_patch, stale_owner
 from hybridflow.k8s.pods import cpu_slots
-from hybridflow.k8s.render import ENTRYPOINT, render, render_children, render_manifests
+from hybridflow.k8s.render import ENTRYPOINT, cluster_hash, render, render_children, render_manifests
 from hybridflow.k8s.settings import DEFAULT_GPU_PRODUCTS, RenderSettings, SettingsError, parse_gpu_products
 from hybridflow_operator.settings import from_env
 from tests.helpers import kuberay_resources, reward_pool_graph
@@ -807,12 +807,24 @@ def test_job_labels_reach_the_rayjob_and_pods_minus_reserved_domains() -> None:
         assert names.QUEUE_LABEL not in pod and "ray.io/cluster" not in pod
 
 
-def test_propagated_labels() -> None:
-    assert names.propagated_labels({"a": "1", "x.kubernetes.io/b": "2", "kubernetes.io/c": "3"}) == {"a": "1"}
-    assert names.propagated_labels({"kueue.x-k8s.io/priority-class": "p"}) == {}
-    assert names.propagated_labels({"kueue.x-k8s.io/priority-class": "p"},
-                                   passthrough=(names.PRIORITY_CLASS_LABEL,)) == {"kueue.x-k8s.io/priority-class": "p"}
-    assert names.propagated_labels({"notkubernetes.io/a": "1"}) == {"notkubernetes.io/a": "1"}
+def test_one_rule_keeps_reserved_domains_from_labels_and_annotations() -> None:
+    metadata = {
+        "a": "1",
+        "team.example.com/b": "2",
+        "notkubernetes.io/c": "3",  # a domain that merely ends like a reserved one
+        "kubernetes.io/d": "4",
+        "x.kubernetes.io/e": "5",
+        "kubectl.kubernetes.io/last-applied-configuration": "{}",
+        "kopf.zalando.org/last-handled-configuration": "{}",
+        "argocd.argoproj.io/tracking-id": "app:hybridflow.io/RLTrainingJob:default/x",
+        "kustomize.toolkit.fluxcd.io/name": "flux-ks",
+        "meta.helm.sh/release-name": "training",
+        "kapp.k14s.io/app": "1700000000",
+        "kueue.x-k8s.io/priority-class": "p",
+    }
+    assert names.propagated(metadata) == {"a": "1", "team.example.com/b": "2", "notkubernetes.io/c": "3"}
+    assert names.propagated(metadata, passthrough=(names.PRIORITY_CLASS_LABEL,)) == {
+        "a": "1", "team.example.com/b": "2", "notkubernetes.io/c": "3", "kueue.x-k8s.io/priority-class": "p"}
 
 
 def test_pod_labels_never_override_the_operators() -> None:
@@ -820,6 +832,108 @@ def test_pod_labels_never_override_the_operators() -> None:
     job["spec"]["cluster"]["podLabels"] = {"app.kubernetes.io/name": "mine"}
     for template in templates_of(rayjob_of(job)).values():
         assert template["metadata"]["labels"][names.NAME_LABEL] == "hybridflow"
+
+
+JOB_ANNOTATIONS = {
+    "description": "nightly GSM8K run",
+    "team.example.com/owner": "rl-infra",
+    "kubectl.kubernetes.io/last-applied-configuration": '{"apiVersion":"hybridflow.io/v1alpha1"}',
+    "deployment.kubernetes.io/revision": "3",
+    "cluster-autoscaler.kubernetes.io/safe-to-evict": "true",
+    "kopf.zalando.org/last-handled-configuration": "{}",
+    "argocd.argoproj.io/tracking-id": "rl:hybridflow.io/RLTrainingJob:default/qwen-gsm8k-ppo",
+    "argocd.argoproj.io/sync-wave": "1",
+    "kustomize.toolkit.fluxcd.io/checksum": "0123abcd",
+    "meta.helm.sh/release-name": "training",
+    "kapp.k14s.io/identity": "v1;default/hybridflow.io/RLTrainingJob/qwen-gsm8k-ppo;hybridflow.io/v1alpha1",
+    "provreq.kueue.x-k8s.io/maxRunDurationSeconds": "3600",
+    "hybridflow.io/generation": "99",
+    "hybridflow.io/cluster-hash": "forged",
+    "ray.io/ft-enabled": "true",
+}
+PROPAGATED_ANNOTATIONS = {"description": "nightly GSM8K run", "team.example.com/owner": "rl-infra"}
+
+
+def test_job_annotations_reach_the_rayjob_and_pods_minus_reserved_domains() -> None:
+    job = live(example(), generation=7)
+    job["metadata"]["annotations"] = dict(JOB_ANNOTATIONS)
+    rendered = render(job, SETTINGS)
+    rayjob = by_kind(rendered.children)["RayJob"]
+    assert rayjob["metadata"]["annotations"] == {
+        **PROPAGATED_ANNOTATIONS,
+        names.CLUSTER_HASH_ANNOTATION: cluster_hash(rayjob, rendered.layout.rollout_group),  # not "forged"
+        names.GENERATION_ANNOTATION: "7",  # the operator's, not the job's "99"
+    }
+    for name, template in templates_of(rayjob).items():
+        assert template["metadata"]["annotations"] == PROPAGATED_ANNOTATIONS, name
+    for child in rendered.children:
+        if child["kind"] != "RayJob":
+            assert "annotations" not in child["metadata"], child["kind"]  # RayJob and pods only
+
+
+def test_pod_annotations_win_over_the_jobs_on_the_pods_only() -> None:
+    job = example()
+    job["metadata"]["annotations"] = {"team.example.com/owner": "from-the-job", "description": "from the job"}
+    job["spec"]["cluster"]["podAnnotations"] = {
+        "team.example.com/owner": "from-pod-annotations",
+        "cluster-autoscaler.kubernetes.io/safe-to-evict": "false",  # a reserved domain, set explicitly
+    }
+    rayjob = rayjob_of(job)
+    assert {k: v for k, v in rayjob["metadata"]["annotations"].items() if not k.startswith("hybridflow.io/")} \
+        == {"team.example.com/owner": "from-the-job", "description": "from the job"}
+    for name, template in templates_of(rayjob).items():
+        assert template["metadata"]["annotations"] == {
+            "team.example.com/owner": "from-pod-annotations",
+            "description": "from the job",
+            "cluster-autoscaler.kubernetes.io/safe-to-evict": "false",
+        }, name
+
+
+TRACKING_LABELS = {
+    "app.kubernetes.io/instance": "rl-apps",  # Argo CD's default tracking label
+    "argocd.argoproj.io/instance": "rl-apps",
+    "kustomize.toolkit.fluxcd.io/name": "rl-apps",
+    "kustomize.toolkit.fluxcd.io/namespace": "flux-system",
+    "helm.toolkit.fluxcd.io/name": "rl-apps",
+    "app.kubernetes.io/managed-by": "Helm",
+    "kapp.k14s.io/app": "1700000000",
+}
+TRACKING_ANNOTATIONS = {
+    "argocd.argoproj.io/tracking-id": "rl-apps:hybridflow.io/RLTrainingJob:default/qwen-gsm8k-ppo",
+    "argocd.argoproj.io/compare-options": "IgnoreExtraneous",
+    "argocd.argoproj.io/sync-options": "Prune=false",
+    "kustomize.toolkit.fluxcd.io/reconcile": "disabled",
+    "meta.helm.sh/release-name": "rl-apps",
+    "meta.helm.sh/release-namespace": "default",
+}
+
+
+def metadata_maps(obj: object, kind: str) -> list[dict]:
+    """Every `labels` or `annotations` map (`kind`) anywhere in a rendered object, pod templates included."""
+    if isinstance(obj, dict):
+        found = [obj[kind]] if isinstance(obj.get(kind), dict) else []
+        return found + [m for v in obj.values() for m in metadata_maps(v, kind)]
+    if isinstance(obj, list):
+        return [m for v in obj for m in metadata_maps(v, kind)]
+    return []
+
+
+def test_gitops_tracking_labels_and_annotations_stay_on_the_job() -> None:
+    """Argo CD, Flux, Helm and kapp find what they own by these: on the RayJob or its pods they would take them
+    for objects of their own that are not in Git, and show them out of sync or prune them."""
+    job = with_pod_settings(example())  # a submitter pod template too
+    job["metadata"]["labels"] = {**TRACKING_LABELS, "team": "post-training"}
+    job["metadata"]["annotations"] = {**TRACKING_ANNOTATIONS, "description": "kept"}
+    children = render_children(job, SETTINGS)
+    assert "submitterPodTemplate" in by_kind(children)["RayJob"]["spec"]
+    for child in children:
+        for labels in metadata_maps(child, "labels"):
+            assert not {k for k, v in labels.items() if TRACKING_LABELS.get(k) == v}, labels  # managed-by is ours
+        for notes in metadata_maps(child, "annotations"):
+            assert not set(TRACKING_ANNOTATIONS) & set(notes), notes
+    rayjob = by_kind(children)["RayJob"]
+    assert rayjob["metadata"]["labels"]["team"] == "post-training"
+    assert rayjob["metadata"]["annotations"]["description"] == "kept"
 
 
 def test_pod_settings_are_part_of_the_cluster_hash() -> None:

@@ -458,7 +458,8 @@ class Cluster(ApiModel):
         default_factory=dict,
         json_schema_extra={"maxProperties": MAX_POD_METADATA} | _rules(reserved_key_rule(OPERATOR_LABEL_DOMAINS)),
     )
-    """Annotations of every Ray pod (e.g. cluster-autoscaler.kubernetes.io/safe-to-evict: "false")."""
+    """Annotations of every Ray pod, over the job's own annotations (which propagate, minus reserved prefixes);
+    e.g. cluster-autoscaler.kubernetes.io/safe-to-evict: "false"."""
     priority_class_name: str | None = Field(None, max_length=253, pattern=DNS_SUBDOMAIN)
     """PriorityClass of every Ray pod (preemption order on the nodes)."""
 

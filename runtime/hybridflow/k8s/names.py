@@ -26,13 +26,17 @@ CLUSTER_HASH_ANNOTATION = f"{API_GROUP}/cluster-hash"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
 """Kueue reads a workload's priority from this label on the RayJob: the job's passes through."""
-RESERVED_LABEL_DOMAINS = (
-    "kubernetes.io", "k8s.io", "x-k8s.io", API_GROUP, "ray.io", "argoproj.io", "fluxcd.io", "helm.sh",
+RESERVED_DOMAINS = (
+    "kubernetes.io", "k8s.io", "x-k8s.io", API_GROUP, "ray.io",
+    "argoproj.io", "fluxcd.io", "helm.sh", "k14s.io", "kopf.zalando.org",
 )
-"""Label domains (and their subdomains) a job's labels do not pass on to its RayJob and pods: Kubernetes'
-own, Kueue's and other SIG projects', the operator's and KubeRay's, and the GitOps tools' tracking labels
-(app.kubernetes.io/instance, argocd.argoproj.io/instance, ...), which would make Argo CD or Flux claim
-objects that are not in Git."""
+"""Label and annotation domains (and their subdomains) that a job's labels and annotations do not pass on to
+its RayJob and pods: Kubernetes' own (kubectl.kubernetes.io/last-applied-configuration, ...), Kueue's and
+other SIG projects', the operator's and KubeRay's (which would change how KubeRay runs the cluster), kopf's
+bookkeeping, and the GitOps tools' tracking labels and annotations (app.kubernetes.io/instance,
+argocd.argoproj.io/tracking-id, kustomize.toolkit.fluxcd.io/name, meta.helm.sh/release-name,
+kapp.k14s.io/app, ...), which would make Argo CD, Flux, Helm or kapp claim, or prune, objects that are not
+in Git."""
 RAY_GROUP_LABEL = "ray.io/group"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 """The Job controller's label on a Job's pods: KubeRay's submitter Job is named after the RayJob."""
@@ -79,6 +83,7 @@ def labels(job_name: str) -> dict[str, str]:
     return {NAME_LABEL: "hybridflow", MANAGED_BY_LABEL: "hybridflow-operator", JOB_LABEL: job_name}
 
 
-def propagated_labels(job_labels: Mapping[str, str], passthrough: Collection[str] = ()) -> dict[str, str]:
-    """The job's labels its RayJob or pods carry too: all but those in RESERVED_LABEL_DOMAINS, except `passthrough`."""
-    return {k: v for k, v in job_labels.items() if k in passthrough or not in_domains(k, RESERVED_LABEL_DOMAINS)}
+def propagated(job_metadata: Mapping[str, str], passthrough: Collection[str] = ()) -> dict[str, str]:
+    """The job's labels or annotations its RayJob or pods carry too: all but those in RESERVED_DOMAINS, except
+    the keys in `passthrough`."""
+    return {k: v for k, v in job_metadata.items() if k in passthrough or not in_domains(k, RESERVED_DOMAINS)}

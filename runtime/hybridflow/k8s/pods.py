@@ -6,9 +6,10 @@ settings. Pods without GPUs get NVIDIA_VISIBLE_DEVICES=void so the container run
 node's GPUs from them. Every Ray container drops all capabilities and may not gain privileges.
 
 The pod settings of spec.cluster (volumes, mounts, env, envFrom, imagePullSecrets, priorityClassName,
-pod labels and annotations) go into the head and every worker group alike, after the operator's own: its
-variables come first, so the user's may reference them as $(HYBRIDFLOW_JOB_NAME), and an explicit
-variable wins over envFrom in Kubernetes, so a Secret cannot shadow them.
+pod labels and annotations, which win over the job's own) go into the head and every worker group alike,
+after the operator's own: its variables come first, so the user's may reference them as
+$(HYBRIDFLOW_JOB_NAME), and an explicit variable wins over envFrom in Kubernetes, so a Secret cannot
+shadow them.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class PodContext:
     config_map: str
     labels: Mapping[str, str]
     """Of every pod: the job's propagated labels, spec.cluster.podLabels, then the operator's."""
+    annotations: Mapping[str, str]
+    """Of every pod: the job's propagated annotations, then spec.cluster.podAnnotations."""
     cluster: Cluster
     gpu_products: Sequence[str]
 
@@ -181,8 +184,8 @@ def _template(ctx: PodContext, labels: dict, container: dict, volumes: list[dict
     spec: dict = {"serviceAccountName": ctx.service_account, "containers": [container], "volumes": volumes}
     spec |= _scheduling(cluster, gpu=gpu)
     metadata: dict = {"labels": labels}
-    if cluster.pod_annotations:
-        metadata["annotations"] = dict(cluster.pod_annotations)
+    if ctx.annotations:
+        metadata["annotations"] = dict(ctx.annotations)
     return {"metadata": metadata, "spec": spec}
 
 

@@ -175,7 +175,8 @@ def _rayjob(job: RLTrainingJob, layout: Layout, settings: RenderSettings, namesp
         image=cluster.image or settings.runtime_image,
         service_account=names.runtime_identity_name(name),
         config_map=names.config_map_name(name),
-        labels={**names.propagated_labels(job.metadata.labels), **cluster.pod_labels, **names.labels(name)},
+        labels={**names.propagated(job.metadata.labels), **cluster.pod_labels, **names.labels(name)},
+        annotations={**names.propagated(job.metadata.annotations), **cluster.pod_annotations},
         cluster=cluster,
         gpu_products=tuple(settings.gpu_products.get(cluster.gpu_type, ())),
     )
@@ -199,12 +200,13 @@ def _rayjob(job: RLTrainingJob, layout: Layout, settings: RenderSettings, namesp
         spec["submitterPodTemplate"] = submitter_template(ctx)
     rayjob = _object("ray.io/v1", "RayJob", names.rayjob_name(name), namespace)
     rayjob["spec"] = spec
-    labels = names.propagated_labels(job.metadata.labels, passthrough=(names.PRIORITY_CLASS_LABEL,))
+    labels = names.propagated(job.metadata.labels, passthrough=(names.PRIORITY_CLASS_LABEL,))
     if cluster.queue_name:
         labels[names.QUEUE_LABEL] = cluster.queue_name
     if labels:
         rayjob["metadata"]["labels"] = labels
-    annotations = {names.CLUSTER_HASH_ANNOTATION: cluster_hash(rayjob, layout.rollout_group)}
+    annotations = names.propagated(job.metadata.annotations)
+    annotations[names.CLUSTER_HASH_ANNOTATION] = cluster_hash(rayjob, layout.rollout_group)
     generation = (job.metadata.model_extra or {}).get("generation")
     if generation is not None:
         annotations[names.GENERATION_ANNOTATION] = str(generation)
