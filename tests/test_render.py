@@ -717,7 +717,7 @@ def test_the_operators_own_settings_come_first_and_stay() -> None:
         assert container["volumeMounts"][0]["mountPath"] == contract.CONFIG_DIR, name
         assert template["spec"]["volumes"][0]["configMap"]["name"] == "qwen-gsm8k-ppo-config", name
         labels = template["metadata"]["labels"]
-        assert labels[names.JOB_LABEL] == "qwen-gsm8k-ppo" and labels[names.NAME_LABEL] == "hybridflow", name
+        assert labels[names.JOB_LABEL] == "qwen-gsm8k-ppo" and labels[names.MANAGED_BY_LABEL] == "hybridflow-operator"
 
 
 def test_without_pod_settings_the_pods_have_none_of_them() -> None:
@@ -829,9 +829,21 @@ def test_one_rule_keeps_reserved_domains_from_labels_and_annotations() -> None:
 
 def test_pod_labels_never_override_the_operators() -> None:
     job = example()
+    job["spec"]["cluster"]["podLabels"] = {names.MANAGED_BY_LABEL: "me", "team": "a"}
+    for template in templates_of(rayjob_of(job)).values():
+        labels = template["metadata"]["labels"]
+        assert labels[names.JOB_LABEL] == "qwen-gsm8k-ppo" and labels[names.MANAGED_BY_LABEL] == "hybridflow-operator"
+        assert labels["team"] == "a"
+
+
+def test_ray_pods_leave_app_name_to_kuberay_whatever_the_job_says() -> None:
+    """KubeRay's head Services select the head by app.kubernetes.io/name: kuberay, the value KubeRay gives its
+    pods when the template has none: `<rayJob>-head-svc` (kubectl ray session, port-forwards) needs it."""
+    job = example()
+    job["metadata"]["labels"] = {"app.kubernetes.io/name": "from-job"}
     job["spec"]["cluster"]["podLabels"] = {"app.kubernetes.io/name": "mine"}
     for template in templates_of(rayjob_of(job)).values():
-        assert template["metadata"]["labels"][names.NAME_LABEL] == "hybridflow"
+        assert names.NAME_LABEL not in template["metadata"]["labels"]
 
 
 JOB_ANNOTATIONS = {

@@ -453,7 +453,8 @@ class Cluster(ApiModel):
         default_factory=dict,
         json_schema_extra={"maxProperties": MAX_POD_METADATA} | _rules(reserved_key_rule(OPERATOR_LABEL_DOMAINS)),
     )
-    """Labels of every Ray pod, over the job's own labels (which propagate, minus reserved prefixes)."""
+    """Labels of every Ray pod, over the job's own labels (which propagate, minus reserved prefixes). Not
+    app.kubernetes.io/name: KubeRay's head Services select the head by KubeRay's value there."""
     pod_annotations: dict[str, str] = Field(
         default_factory=dict,
         json_schema_extra={"maxProperties": MAX_POD_METADATA} | _rules(reserved_key_rule(OPERATOR_LABEL_DOMAINS)),

@@ -58,10 +58,9 @@ def rayjob_name(job_name: str) -> str:
 
 
 def head_service_name(ray_cluster: str) -> str:
-    """KubeRay's Service for a RayCluster's head. It selects the head by the pod's own labels; the one KubeRay
-    adds for a RayJob (`<rayJobName>-head-svc`) selects `app.kubernetes.io/name: kuberay`, which the rendered
-    pods replace with this project's name, so it has no endpoints. A retry's new cluster has a new one, which
-    status follows through status.rayClusterName. <= 63 characters (RayCluster names are <= 53)."""
+    """KubeRay's Service for a RayCluster's head: it follows a retry's new cluster (through
+    status.rayClusterName), where the RayJob's `<rayJobName>-head-svc` stays on the first one's name.
+    <= 63 characters (RayCluster names are <= 53)."""
     return f"{ray_cluster}-head-svc"
 
 
@@ -81,6 +80,15 @@ def runtime_identity_name(job_name: str) -> str:
 def labels(job_name: str) -> dict[str, str]:
     """Every child carries these; JOB_LABEL maps a child (or a Ray pod) back to its job."""
     return {NAME_LABEL: "hybridflow", MANAGED_BY_LABEL: "hybridflow-operator", JOB_LABEL: job_name}
+
+
+def ray_pod_labels(job_name: str, *layers: Mapping[str, str]) -> dict[str, str]:
+    """Of the Ray pods: `layers` in order, then `labels`, less app.kubernetes.io/name, whoever set it. KubeRay
+    gives its pods `kuberay` there, and its head Services (the RayCluster's and the RayJob's
+    `<rayJobName>-head-svc`, which `kubectl ray session` forwards) select the head by it."""
+    merged = {k: v for layer in layers for k, v in layer.items()} | labels(job_name)
+    merged.pop(NAME_LABEL)
+    return merged
 
 
 def propagated(job_metadata: Mapping[str, str], passthrough: Collection[str] = ()) -> dict[str, str]:

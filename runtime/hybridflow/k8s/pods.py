@@ -57,7 +57,7 @@ class PodContext:
     service_account: str
     config_map: str
     labels: Mapping[str, str]
-    """Of every pod: the job's propagated labels, spec.cluster.podLabels, then the operator's."""
+    """Of every pod: names.ray_pod_labels."""
     annotations: Mapping[str, str]
     """Of every pod: the job's propagated annotations, then spec.cluster.podAnnotations."""
     cluster: Cluster

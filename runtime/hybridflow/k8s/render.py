@@ -175,7 +175,7 @@ def _rayjob(job: RLTrainingJob, layout: Layout, settings: RenderSettings, namesp
         image=cluster.image or settings.runtime_image,
         service_account=names.runtime_identity_name(name),
         config_map=names.config_map_name(name),
-        labels={**names.propagated(job.metadata.labels), **cluster.pod_labels, **names.labels(name)},
+        labels=names.ray_pod_labels(name, names.propagated(job.metadata.labels), cluster.pod_labels),
         annotations={**names.propagated(job.metadata.annotations), **cluster.pod_annotations},
         cluster=cluster,
         gpu_products=tuple(settings.gpu_products.get(cluster.gpu_type, ())),
