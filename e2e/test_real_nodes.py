@@ -166,8 +166,9 @@ def test_tiny_grpo_trains_in_real_pods_to_succeeded(real_cluster: RealNodeCluste
 
 
 def _assert_the_scheduler_dashboard_is_served(cluster: RealNodeCluster, run: JobRun, timeout_s: float = 60.0) -> None:
-    """status.schedulerDashboardUrl names the RayJob's head Service and the head's port, and the page the driver
-    serves there comes back through the API server's service proxy with the job's status (while the head lives)."""
+    """status.schedulerDashboardUrl names the RayCluster's head Service and the head's port, and the page the
+    driver serves there comes back through the API server's service proxy with the job's status (while the head
+    lives); the RayJob's head Service reaches it too."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     seen: dict[str, float] = {}  # what each try found, first seen after how long
@@ -185,7 +186,10 @@ def _assert_the_scheduler_dashboard_is_served(cluster: RealNodeCluster, run: Job
             view = cluster.kubectl("get", "--raw", proxy + "api/view", check=False)
             if page.returncode == 0 and f"<title>{run.namespace}/{run.name} " in page.stdout and view.returncode == 0:
                 live = json.loads(view.stdout)
-                if live["has_status"] and live["graph"]["nodes"]:
+                # the RayJob's head Service too, which `kubectl ray session` and the README's port-forward use
+                rayjob_proxy = proxy.replace(f"/services/{service}:", f"/services/{status['rayJobName']}-head-svc:")
+                via_rayjob = cluster.kubectl("get", "--raw", rayjob_proxy, check=False)
+                if live["has_status"] and live["graph"]["nodes"] and via_rayjob.returncode == 0:
                     return
                 found = f"the view has no controller status yet: {live.get('error')}"
             else:
