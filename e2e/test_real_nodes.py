@@ -191,7 +191,8 @@ def _assert_the_scheduler_dashboard_is_served(cluster: RealNodeCluster, run: Job
                 via_rayjob = cluster.kubectl("get", "--raw", rayjob_proxy, check=False)
                 if live["has_status"] and live["graph"]["nodes"] and via_rayjob.returncode == 0:
                     return
-                found = f"the view has no controller status yet: {live.get('error')}"
+                found = (f"the view has no controller status yet: {live.get('error')}" if via_rayjob.returncode == 0
+                         else f"{rayjob_proxy}: {(via_rayjob.stderr or via_rayjob.stdout)[-300:].strip()}")
             else:
                 found = f"{proxy}: {(page.stderr or page.stdout)[-300:].strip()}"
         head = cluster.get_json("pods", "-n", run.namespace, "-l", "ray.io/node-type=head")["items"]
