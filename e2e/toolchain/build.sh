@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build the binaries of the e2e control plane from their Go modules, once per version.
 #
-#   e2e/toolchain/build.sh [component...]      (default: all components)
+#   e2e/toolchain/build.sh [component...]          (default: all components)
+#   e2e/toolchain/build.sh --fetch [component...]  only download the Go modules the missing ones need
+#                                                  (network, no compiling, no lock: CI runs it early)
 #
 # Components: etcd kube-apiserver kube-controller-manager kube-scheduler kwok kuberay helm kubectl
 # (a client matching the server's version); kubelet kube-proxy coredns (the group `node`: the
@@ -23,7 +25,7 @@ export CGO_ENABLED=0
 export GOTOOLCHAIN=${GOTOOLCHAIN:-auto}
 
 usage() {
-  sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 find_go() {
@@ -137,10 +139,24 @@ build_one() {
   fi
 }
 
+# fetch_one COMPONENT: download the modules its packages need (go list resolves, and fetches, without compiling).
+fetch_one() {
+  local component=$1 wrapper module pkg binary version
+  read -r wrapper module pkg binary <<<"$(spec "$component")"
+  version=$(module_version "$wrapper" "$module")
+  [[ $component == kuberay-crds || ! -x $BIN_ROOT/$component-$version/$binary ]] || return 0
+  (cd "$HERE/$wrapper" && "$GO" list -deps -f '' "$pkg" >/dev/null)
+}
+
 main() {
   if [[ ${1:-} == -h || ${1:-} == --help ]]; then
     usage
     return
+  fi
+  local fetch=0
+  if [[ ${1:-} == --fetch ]]; then
+    fetch=1
+    shift
   fi
   local components=()
   for c in "$@"; do
@@ -148,6 +164,12 @@ main() {
   done
   [[ ${#components[@]} -gt 0 ]] || components=("${ALL[@]}" "${NODE[@]}")
   for c in "${components[@]}"; do spec "$c" >/dev/null; done
+  if ((fetch)); then
+    local start=$SECONDS
+    for c in "${components[@]}"; do fetch_one "$c"; done
+    echo "build.sh: modules of ${#components[@]} component(s) fetched in $((SECONDS - start))s"
+    return
+  fi
   mkdir -p "$BIN_ROOT"
   # Two test sessions must not build the same binary at once. A caller that took the lock for us passes
   # its descriptor (HYBRIDFLOW_BUILD_LOCK_FD): holding it open keeps the lock until this script exits.
