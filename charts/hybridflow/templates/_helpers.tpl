@@ -91,3 +91,10 @@ what it holds itself, so those verbs must stay here.
   resources: ["roles", "rolebindings"]
   verbs: ["create", "get", "list", "watch", "patch", "update", "delete"]
 {{- end }}
+
+{{/*
+Name of the `helm test` pod and of its ServiceAccount and roles (templates/tests/).
+*/}}
+{{- define "hybridflow.testName" -}}
+{{- printf "%s-test" (include "hybridflow.fullname" .) }}
+{{- end }}
