@@ -41,6 +41,7 @@ lint: venv
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy
 	$(PYTHON) -m hybridflow.api.crd --check
+	$(PYTHON) -m hybridflow_operator.chart --check
 
 # Everything: unit, real Ray, and the control-plane tests (built from Go modules on first use).
 test: lint node-packages

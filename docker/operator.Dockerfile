@@ -21,7 +21,7 @@ RUN --mount=type=cache,target=/root/.cache/wheels \
     python -m venv /opt/hybridflow \
  && /opt/hybridflow/bin/pip wheel --wheel-dir /root/.cache/wheels ".[operator]" \
  && /opt/hybridflow/bin/pip install --no-index --find-links /root/.cache/wheels "hybridflow[operator]" \
- && /opt/hybridflow/bin/python -c "import hybridflow_operator, hybridflow.api, kopf" \
+ && /opt/hybridflow/bin/python -c "import hybridflow_operator, hybridflow_operator.install_check, hybridflow.api, kopf" \
  && ! /opt/hybridflow/bin/python -c "import torch" 2>/dev/null \
  && ! /opt/hybridflow/bin/python -c "import ray" 2>/dev/null
 

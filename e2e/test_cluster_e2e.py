@@ -515,6 +515,31 @@ def test_the_operator_runs_as_the_charts_service_account(e2e: E2E) -> None:
     assert can_i.stdout.strip() == "no"  # the chart grants what the operator needs, not more
 
 
+def test_builtin_edit_and_view_roles_include_rltrainingjobs(e2e: E2E, ns: str) -> None:
+    """The chart's aggregated ClusterRoles reach the built-in roles through Kubernetes' aggregation controller:
+    a user bound to `edit` in a namespace creates jobs there, one bound to `view` only reads them."""
+    bindings = [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": f"{user}-{role}", "namespace": ns},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}
+        for user, role in (("e2e-editor", "edit"), ("e2e-viewer", "view"))
+    ]
+    e2e.kube.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": bindings}))
+    rlj = f"rltrainingjobs.{API_GROUP}"
+
+    def can(user: str, verb: str, *more: str) -> bool:
+        answer = e2e.kube.kubectl("auth", "can-i", verb, rlj, *more, "-n", ns, f"--as={user}", check=False)
+        return answer.stdout.strip() == "yes"
+
+    eventually(lambda: can("e2e-editor", "create") and can("e2e-viewer", "list"), WAIT_S,
+               "the built-in edit and view roles include rltrainingjobs")
+    assert can("e2e-editor", "delete") and can("e2e-editor", "get", "--subresource=status")
+    assert not can("e2e-editor", "patch", "--subresource=status")  # the operator's alone
+    assert can("e2e-viewer", "watch") and can("e2e-viewer", "get", "--subresource=status")
+    assert not can("e2e-viewer", "create") and not can("e2e-viewer", "delete")
+
+
 def test_example_job_runs_on_a100_nodes_and_its_status_follows_kuberay(e2e: E2E, ns: str) -> None:
     a100 = e2e.products("A100-80GB")
     e2e.fleet.require("examples/ppo-job.yaml (2 actor + 1 critic pods of 8 GPUs)", a100, 3)
@@ -714,10 +739,11 @@ def test_a_permission_missing_from_the_chart_fails_the_suite(e2e: E2E, ns: str) 
         for r in e2e.kube.get_json("clusterroles", "-l", selector)["items"]
         if any(
             API_GROUP in rule.get("apiGroups", []) and "rltrainingjobs/status" in rule.get("resources", [])
+            and "patch" in rule.get("verbs", [])
             for rule in r.get("rules") or []
         )
     ]
-    assert len(roles) == 1, f"expected one ClusterRole of release {RELEASE} granting rltrainingjobs/status"
+    assert len(roles) == 1, f"expected one ClusterRole of release {RELEASE} granting patch on rltrainingjobs/status"
     original = roles[0]
     trimmed = json.loads(json.dumps(original))
     for rule in trimmed["rules"]:

@@ -1,5 +1,6 @@
 """The full real-node tier: the images of `make images` and the chart's operator running from its image, faults.
 
+- `helm test` of the release: the chart's test pod finds the CRD Established and the operator Available;
 - tiny PPO from examples/tiny-ppo-job.yaml as written (runtime image, checkpoints on a claim) to Succeeded;
 - a worker pod deleted mid-training: KubeRay replaces it, the run rolls back to its last checkpoint and ends with
   every step in the metrics exactly once; the recovery time is measured;
@@ -31,6 +32,7 @@ from e2e.harness.realcluster import (
     operator_values,
 )
 from e2e.realnode_runs import MIN_FINAL_REWARD, TINY_GRPO, TINY_PPO, JobRun, require_real_nodes
+from hybridflow_operator.install_check import PASSED as INSTALL_CHECK_PASSED
 from tests.helpers import condition
 
 pytestmark = [pytest.mark.realnodes_full, pytest.mark.timeout(1800)]
@@ -51,6 +53,10 @@ def full_cluster_real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Real
     try:
         chart.install_chart(cluster, RELEASE, RELEASE_NAMESPACE,
                             operator_values(built[images.OPERATOR].ref, built[images.RUNTIME_CPU].ref))
+        # The operator is Available (install_chart waits): the chart's own `helm test` must agree, from its image.
+        tested = chart.run_helm_test(cluster, RELEASE, RELEASE_NAMESPACE)
+        assert "Phase:          Succeeded" in tested and INSTALL_CHECK_PASSED in tested, tested
+        print(f"\nhelm test {RELEASE}:\n{tested}")
         sizes = {n: f"{built[n].size / 2**20:.0f} MiB" for n in FULL_IMAGES}
         print(f"\nimages {sizes} (build/cache {build_s:.0f}s); cluster up {cluster.timings}")
         yield cluster

@@ -2,6 +2,8 @@
 #
 #   make crds        regenerate crds/ and the chart's CRD template from the pydantic models
 #   make crds-check  fail when the committed CRD files differ from the models (CI)
+#   make chart-files regenerate the chart's values.schema.json and README.md from its values model
+#   make chart-files-check  fail when those differ from the model (make lint runs it)
 #   make chart-lint  helm lint the chart, cluster-wide and namespaced, and render it
 
 CHART_DIR ?= charts/hybridflow
@@ -13,13 +15,19 @@ KUBE_VERSION ?= 1.34.0
 # The pinned build when it is there, else a helm on PATH, else the pinned build, built first (needs Go).
 HELM ?= $(firstword $(wildcard $(HELM_BUILT)) $(shell command -v helm 2>/dev/null) $(HELM_BUILT))
 
-.PHONY: crds crds-check chart-lint
+.PHONY: crds crds-check chart-files chart-files-check chart-lint
 
 crds: venv
 	$(PYTHON) -m hybridflow.api.crd
 
 crds-check: venv
 	$(PYTHON) -m hybridflow.api.crd --check
+
+chart-files: venv
+	$(PYTHON) -m hybridflow_operator.chart
+
+chart-files-check: venv
+	$(PYTHON) -m hybridflow_operator.chart --check
 
 $(HELM_BUILT):
 	bash e2e/toolchain/build.sh helm

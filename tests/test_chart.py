@@ -20,10 +20,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import pydantic
 import pytest
 import yaml
 
 from hybridflow.api import crd as crdgen
+from hybridflow.api import generated
+from hybridflow_operator import install_check
+from hybridflow_operator.chart import __main__ as chart_files
+from hybridflow_operator.chart import values as chart_values
 from tests.helpers import minimal_apiserver, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +146,130 @@ def test_chart_metadata() -> None:
     )
 
 
+# -- values: the model, the schema and README generated from it -------------------------------------------
+
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+
+
+def value_paths(values: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """(key path, schema node, value) of every key in `values`, into the objects the schema models key by key."""
+    for key, value in values.items():
+        node = schema.get("properties", {}).get(key)
+        yield f"{prefix}{key}", node, value
+        if node is not None and "properties" in node and isinstance(value, dict):
+            yield from value_paths(value, node, f"{prefix}{key}.")
+
+
+def test_values_yaml_holds_the_models_defaults() -> None:
+    chart_values.ChartValues.model_validate(VALUES)
+    assert chart_values.defaults() == VALUES
+
+
+def test_every_key_of_values_yaml_has_a_type_default_and_description() -> None:
+    paths = list(value_paths(VALUES, SCHEMA))
+    assert len(paths) > 50
+    for path, node, value in paths:
+        assert node is not None, f"{path} is not in values.schema.json"
+        assert node.get("description"), f"{path} has no description"
+        assert "type" in node or "anyOf" in node, f"{path} has no type"
+        if "properties" not in node:
+            assert node["default"] == value, path
+
+
+def test_values_yaml_validates_against_the_schema_and_every_modelled_object_is_closed() -> None:
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
+    jsonschema.Draft7Validator(SCHEMA).validate(VALUES)
+
+    def objects(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        if "properties" in node:
+            yield path, node
+            for key, child in node["properties"].items():
+                yield from objects(child, f"{path}.{key}")
+        if isinstance(node.get("items"), dict):
+            yield from objects(node["items"], f"{path}[]")
+
+    closed = list(objects(SCHEMA, ""))
+    assert len(closed) >= 15
+    for path, node in closed:
+        assert node.get("additionalProperties") is False, f"{path or '.'} accepts unknown keys"
+    assert set(SCHEMA["properties"]) == set(VALUES) | {"global"}  # Helm adds `global` to every chart's values
+
+
+def test_schema_and_readme_are_generated_from_the_model() -> None:
+    problems = generated.stale(chart_files.outputs(CHART))
+    assert not problems, "\n".join(problems) + "\nrun `make chart-files`"
+
+
+def test_readme_has_a_row_for_every_value_and_install_upgrade_test_sections() -> None:
+    readme = (CHART / "README.md").read_text()
+    for path, node, value in value_paths(VALUES, SCHEMA):
+        row = next((line for line in readme.splitlines() if line.startswith(f"| `{path}` |")), None)
+        assert row is not None, f"README.md has no row for {path}"
+        if "properties" not in node:
+            assert f"`{json.dumps(value, separators=(', ', ': '))}`" in row, path
+    for heading in ("## Install", "## Upgrade", "## Test", "## Values"):
+        assert heading in readme
+    assert "| `tolerations[].effect` | one of \"NoSchedule\", \"PreferNoSchedule\" or \"NoExecute\" |" in readme
+    assert "`docker.io/hybridflow/runtime:<appVersion>`" in readme  # a code span, not an HTML tag
+
+
+def test_check_names_each_stale_file_and_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert chart_files.main(["--chart", str(tmp_path)]) == 0
+    assert chart_files.main(["--check", "--chart", str(tmp_path)]) == 0
+    readme, schema = tmp_path / chart_files.README_FILE, tmp_path / chart_files.SCHEMA_FILE
+    readme.write_text(readme.read_text().replace("| `logLevel` |", "| `loglevel` |"))
+    schema.unlink()
+    capsys.readouterr()
+    assert chart_files.main(["--check", "--chart", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{readme}: out of date" in err and "-| `loglevel` |" in err and "+| `logLevel` |" in err
+    assert f"{schema}: missing" in err and "make chart-files" in err
+    assert not schema.exists()  # --check writes nothing
+
+
+BAD_VALUES = [
+    pytest.param({"image": {"tga": "x"}}, "at '/image': additional properties 'tga' not allowed", id="typo"),
+    pytest.param({"watchNamespace": ["a"]}, "at '': additional properties 'watchNamespace' not allowed",
+                 id="top-level-typo"),
+    pytest.param({"tolerations": [{"key": "k", "efect": "NoSchedule"}]},
+                 "at '/tolerations/0': additional properties 'efect' not allowed", id="typo-in-a-list"),
+    pytest.param({"health": {"port": "8080"}}, "at '/health/port': got string, want integer", id="wrong-type"),
+    pytest.param({"rbac": {"aggregateRoles": "yes"}}, "at '/rbac/aggregateRoles': got string, want boolean",
+                 id="wrong-type-bool"),
+    pytest.param({"logLevel": "debug"}, "at '/logLevel': value must be one of 'DEBUG', 'INFO', 'WARNING', 'ERROR'",
+                 id="not-allowed"),
+]
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD_VALUES)
+def test_helm_refuses_unknown_keys_and_wrong_types_naming_them(
+        helm: str, tmp_path: Path, bad: dict[str, Any], message: str) -> None:
+    values_file = tmp_path / "values.yaml"
+    values_file.write_text(yaml.safe_dump(bad))
+    for command in (["template", RELEASE], ["lint", "--strict"]):
+        result = run_helm(helm, *command, str(CHART), "--kube-version", KUBE_VERSION, "-f", str(values_file))
+        assert result.returncode != 0, (command, result.stdout)
+        said = result.stderr + result.stdout
+        assert "values don't meet the specifications of the schema" in said, said
+        assert message in said, said
+    with pytest.raises(pydantic.ValidationError):  # the model refuses what its schema refuses
+        chart_values.ChartValues.model_validate(merged(VALUES, bad))
+
+
+def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Helm's merge of a values file over the defaults: maps merge key by key, everything else is replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def test_helm_accepts_global_values_and_dropped_gpu_types(helm: str) -> None:
+    """Helm hands a subchart its parent's `global`; null removes a map entry before validation."""
+    docs = render(helm, "global.imageRegistry=registry.local", "gpuProductLabels.L4=null")
+    assert "L4" not in json.loads(env(docs)["HYBRIDFLOW_GPU_PRODUCTS"])
+
+
 # -- the operator Deployment ------------------------------------------------------------------------
 
 
@@ -223,9 +353,9 @@ def test_overrides(helm: str) -> None:
     # Helm merges maps: entries are added to the defaults, and null drops one.
     expected = {k: v for k, v in VALUES["gpuProductLabels"].items() if k != "L4"} | {"B300": ["NVIDIA-B300"]}
     assert json.loads(e["HYBRIDFLOW_GPU_PRODUCTS"]) == expected
-    assert one(docs, "ServiceAccount")["metadata"]["name"] == "custom"
-    for binding in by_kind(docs, "ClusterRoleBinding"):
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "custom", "namespace": NAMESPACE}]
+    assert one(docs, "ServiceAccount", "custom")["metadata"]["namespace"] == NAMESPACE
+    binding = one(docs, "ClusterRoleBinding", RELEASE)
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "custom", "namespace": NAMESPACE}]
 
 
 # -- RBAC -------------------------------------------------------------------------------------------
@@ -293,15 +423,15 @@ def assert_least_privilege(role: dict[str, Any], allowed: dict[tuple[str, str], 
 
 def test_every_verb_the_operator_holds_is_justified(helm: str, default: list[dict[str, Any]],
                                                     namespaced: list[dict[str, Any]]) -> None:
-    assert_least_privilege(one(default, "ClusterRole"), ALLOWED)
-    for role in by_kind(namespaced, "Role"):
+    assert_least_privilege(one(default, "ClusterRole", RELEASE), ALLOWED)
+    for role in named(namespaced, ("Role",), RELEASE):
         assert_least_privilege(role, ALLOWED)
     with_policy = render(helm, "networkPolicy.enabled=true")
-    assert_least_privilege(one(with_policy, "ClusterRole"), ALLOWED | NETWORK_POLICY_ALLOWED)
+    assert_least_privilege(one(with_policy, "ClusterRole", RELEASE), ALLOWED | NETWORK_POLICY_ALLOWED)
 
 
 def test_the_allow_list_check_fails_on_a_new_verb(default: list[dict[str, Any]]) -> None:
-    role = json.loads(json.dumps(one(default, "ClusterRole")))
+    role = json.loads(json.dumps(one(default, "ClusterRole", RELEASE)))
     role["rules"].append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]})
     with pytest.raises(AssertionError, match=r"core/secrets: get.*Justify"):
         assert_least_privilege(role, ALLOWED)
@@ -310,22 +440,28 @@ def test_the_allow_list_check_fails_on_a_new_verb(default: list[dict[str, Any]])
         assert_least_privilege(role, ALLOWED)
 
 
+def named(docs: list[dict[str, Any]], kinds: tuple[str, ...], name: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] in kinds and d["metadata"]["name"] == name]
+
+
 def test_cluster_wide_rbac(default: list[dict[str, Any]]) -> None:
-    assert by_kind(default, "Role") == [] and by_kind(default, "RoleBinding") == []
-    assert grants(one(default, "ClusterRole")) == NAMESPACED_RULES
-    binding = one(default, "ClusterRoleBinding")
+    assert named(default, ("Role", "RoleBinding"), RELEASE) == []
+    assert grants(one(default, "ClusterRole", RELEASE)) == NAMESPACED_RULES
+    binding = one(default, "ClusterRoleBinding", RELEASE)
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": RELEASE}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
 
 
 def test_namespaced_rbac(namespaced: list[dict[str, Any]]) -> None:
-    assert by_kind(namespaced, "ClusterRole") == [] and by_kind(namespaced, "ClusterRoleBinding") == [], \
+    assert named(namespaced, ("ClusterRole", "ClusterRoleBinding"), RELEASE) == [], \
         "nothing cluster-wide: kopf scans no CRDs or namespaces, and the jobs' namespaces are listed"
-    roles = by_kind(namespaced, "Role")
+    operator = {"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}
+    assert not [b for b in by_kind(namespaced, "ClusterRoleBinding") if operator in b["subjects"]]
+    roles = named(namespaced, ("Role",), RELEASE)
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["a", "b"]
     for role in roles:
         assert grants(role) == NAMESPACED_RULES
-    bindings = by_kind(namespaced, "RoleBinding")
+    bindings = named(namespaced, ("RoleBinding",), RELEASE)
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["a", "b"]
     for binding in bindings:
         assert binding["roleRef"]["kind"] == "Role" and binding["roleRef"]["name"] == RELEASE
@@ -363,7 +499,7 @@ def test_the_operator_holds_what_it_grants_to_ray_pods(default: list[dict[str, A
 
 def test_network_policies_are_off_by_default(default: list[dict[str, Any]]) -> None:
     assert "HYBRIDFLOW_NETWORK_POLICY_PEERS" not in env(default)
-    assert ("networking.k8s.io", "networkpolicies") not in grants(one(default, "ClusterRole"))
+    assert ("networking.k8s.io", "networkpolicies") not in grants(one(default, "ClusterRole", RELEASE))
 
 
 def test_network_policies_admit_the_operator_and_kuberay(helm: str) -> None:
@@ -383,6 +519,93 @@ def test_network_policies_admit_the_operator_and_kuberay(helm: str) -> None:
         '{"kubernetes.io/metadata.name": "ray-system"}}}]',))
     peers = json.loads(env(narrowed)["HYBRIDFLOW_NETWORK_POLICY_PEERS"])
     assert peers[1:] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ray-system"}}}]
+
+
+# -- users' roles, aggregated into the built-in admin, edit and view ----------------------------------------
+
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def aggregated_to(role: dict[str, Any]) -> set[str]:
+    labels = role["metadata"]["labels"]
+    return {k.removeprefix(AGGREGATE) for k, v in labels.items() if k.startswith(AGGREGATE) and v == "true"}
+
+
+def test_aggregate_roles_let_edit_write_jobs_and_view_read_them(default: list[dict[str, Any]]) -> None:
+    edit = one(default, "ClusterRole", f"{RELEASE}-edit")
+    assert aggregated_to(edit) == {"admin", "edit"}
+    assert grants(edit) == {
+        ("hybridflow.io", "rltrainingjobs"): {"get", "list", "watch", "create", "update", "patch", "delete",
+                                              "deletecollection"},
+        ("hybridflow.io", "rltrainingjobs/status"): {"get", "list", "watch"},  # the operator's alone to write
+    }
+    view = one(default, "ClusterRole", f"{RELEASE}-view")
+    assert aggregated_to(view) == {"view"}
+    assert grants(view) == {("hybridflow.io", "rltrainingjobs"): {"get", "list", "watch"},
+                            ("hybridflow.io", "rltrainingjobs/status"): {"get", "list", "watch"}}
+    assert view["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+    refs = [b["roleRef"]["name"] for b in by_kind(default, "ClusterRoleBinding") + by_kind(default, "RoleBinding")]
+    assert f"{RELEASE}-edit" not in refs and f"{RELEASE}-view" not in refs  # aggregated, never bound
+
+
+def test_aggregate_roles_only_when_asked(helm: str, namespaced: list[dict[str, Any]]) -> None:
+    assert {f"{RELEASE}-edit", f"{RELEASE}-view"} <= {r["metadata"]["name"] for r in by_kind(namespaced, "ClusterRole")}
+    for sets in (["rbac.aggregateRoles=false"], ["rbac.create=false"]):
+        roles = by_kind(render(helm, *sets), "ClusterRole")
+        assert not [r for r in roles if aggregated_to(r)], sets
+
+
+# -- helm test ----------------------------------------------------------------------------------------------
+
+TEST_HOOK = "templates/tests/install-check.yaml"
+
+
+def test_helm_test_pod_checks_the_install_from_the_operator_image(helm: str, default: list[dict[str, Any]]) -> None:
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
+            "--show-only", TEST_HOOK, "--set", "tolerations[0].operator=Exists", "--set", "image.tag=dev"]
+    result = run_helm(helm, *args)
+    assert result.returncode == 0, result.stderr
+    (pod,) = [d for d in yaml.safe_load_all(result.stdout) if d]
+    assert pod["kind"] == "Pod" and pod["metadata"]["name"] == f"{RELEASE}-test"
+    assert pod["metadata"]["annotations"] == {
+        "helm.sh/hook": "test",
+        "helm.sh/hook-delete-policy": "before-hook-creation,hook-succeeded",
+        # Helm prints the pod's report before deleting it (`helm test --logs` would look after the deletion).
+        "helm.sh/hook-output-log-policy": "hook-succeeded,hook-failed",
+    }
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never" and spec["serviceAccountName"] == f"{RELEASE}-test"
+    assert spec["tolerations"] == [{"operator": "Exists"}]  # schedules wherever the operator may
+    assert spec["securityContext"] == VALUES["podSecurityContext"]
+    (c,) = spec["containers"]
+    assert c["image"] == "docker.io/hybridflow/operator:dev"
+    assert c["securityContext"] == VALUES["securityContext"]
+    assert c["command"] == ["python", "-m", "hybridflow_operator.install_check"]
+    args_seen = install_check.parse_args(c["args"])
+    assert (args_seen.crd, args_seen.deployment, args_seen.namespace) == (crdgen.CRD_NAME, RELEASE, NAMESPACE)
+    assert one(default, "Deployment")["metadata"]["name"] == args_seen.deployment
+
+
+def test_helm_test_identity_may_only_get_the_crd_and_the_deployment(default: list[dict[str, Any]]) -> None:
+    test = f"{RELEASE}-test"
+    assert one(default, "ServiceAccount", test)["metadata"]["namespace"] == NAMESPACE
+    assert one(default, "ClusterRole", test)["rules"] == [
+        {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+         "resourceNames": [crdgen.CRD_NAME], "verbs": ["get"]}]
+    role = one(default, "Role", test)
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [{"apiGroups": ["apps"], "resources": ["deployments"], "resourceNames": [RELEASE],
+                              "verbs": ["get"]}]
+    subject = [{"kind": "ServiceAccount", "name": test, "namespace": NAMESPACE}]
+    for kind, role_kind in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
+        binding = one(default, kind, test)
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind, "name": test}
+        assert binding["subjects"] == subject
+
+
+def test_no_helm_test_without_rbac(helm: str) -> None:
+    docs = render(helm, "rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=operator")
+    assert by_kind(docs, "Pod") == []
 
 
 # -- CRD --------------------------------------------------------------------------------------------
@@ -493,14 +716,11 @@ def kubectl(cp: Any, *args: str, objects: list[dict[str, Any]] | None = None) ->
     return cp.kubectl(*args, input=body, check=False, timeout=120)
 
 
-@pytest.mark.controlplane
-@pytest.mark.parametrize("mode", ["cluster-wide", "namespaced"])
-def test_rendered_chart_is_accepted_and_its_rbac_suffices(helm: str, apiserver: Any, mode: str) -> None:
-    namespaces = ["team-a", "team-b"] if mode == "namespaced" else []
-    sets = [f"watchNamespaces={{{','.join(namespaces)}}}"] if namespaces else []
-    release_ns = f"hf-{mode}"
+def apply_chart(helm: str, cp: Any, release_ns: str, *sets: str, namespaces: tuple[str, ...] = ()) -> None:
+    """Render the chart as release `release_ns` (its objects named after it too) and apply it with the
+    namespaces it needs, the way helm would; wait until the CRD is Established."""
     args = ["template", RELEASE, str(CHART), "--namespace", release_ns, "--kube-version", KUBE_VERSION]
-    for s in [*sets, f"fullnameOverride=hf-{mode}"]:
+    for s in [*sets, f"fullnameOverride={release_ns}"]:
         args += ["--set", s]
     result = run_helm(helm, *args)
     assert result.returncode == 0, result.stderr
@@ -508,15 +728,28 @@ def test_rendered_chart_is_accepted_and_its_rbac_suffices(helm: str, apiserver: 
     namespace_objs = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}} for n in [release_ns, *namespaces, "jobs"]
     ]
-    created = kubectl(apiserver, "apply", "--server-side", "--field-manager=test", "-f", "-", objects=namespace_objs)
+    created = kubectl(cp, "apply", "--server-side", "--field-manager=test", "-f", "-", objects=namespace_objs)
     assert created.returncode == 0, created.stderr
-    applied = kubectl(apiserver, "apply", "--server-side", "--field-manager=helm", "-f", "-", objects=docs)
+    applied = kubectl(cp, "apply", "--server-side", "--field-manager=helm", "-f", "-", objects=docs)
     assert applied.returncode == 0, applied.stderr
     jsonpath = 'jsonpath={.status.conditions[?(@.type=="Established")].status}'
-    established = eventually(
-        lambda: kubectl(apiserver, "get", f"crd/{crdgen.CRD_NAME}", "-o", jsonpath).stdout == "True"
-    )
+    established = eventually(lambda: kubectl(cp, "get", f"crd/{crdgen.CRD_NAME}", "-o", jsonpath).stdout == "True")
     assert established, f"{crdgen.CRD_NAME} never became Established"
+
+
+def can(cp: Any, who: str, verb: str, *what: str) -> bool:
+    answer = kubectl(cp, "auth", "can-i", verb, *what, f"--as={who}").stdout.strip()
+    assert answer in ("yes", "no"), answer
+    return answer == "yes"
+
+
+@pytest.mark.controlplane
+@pytest.mark.parametrize("mode", ["cluster-wide", "namespaced"])
+def test_rendered_chart_is_accepted_and_its_rbac_suffices(helm: str, apiserver: Any, mode: str) -> None:
+    namespaces = ["team-a", "team-b"] if mode == "namespaced" else []
+    sets = [f"watchNamespaces={{{','.join(namespaces)}}}"] if namespaces else []
+    release_ns = f"hf-{mode}"
+    apply_chart(helm, apiserver, release_ns, *sets, namespaces=tuple(namespaces))
     kuberay = apiserver.has_kuberay_crds
 
     sa = f"system:serviceaccount:{release_ns}:hf-{mode}"
@@ -530,8 +763,8 @@ def test_rendered_chart_is_accepted_and_its_rbac_suffices(helm: str, apiserver: 
     if kuberay:  # kubectl resolves resource names through discovery: ray.io exists only with its CRDs
         checks += [("create", "rayjobs.ray.io"), ("watch", "rayjobs.ray.io")]
     for verb, resource, *more in checks:
-        can = kubectl(apiserver, "auth", "can-i", verb, resource, *more, "-n", job_ns, f"--as={sa}")
-        assert can.stdout.strip() == "yes", (verb, resource, can.stdout, can.stderr)
+        answer = kubectl(apiserver, "auth", "can-i", verb, resource, *more, "-n", job_ns, f"--as={sa}")
+        assert answer.stdout.strip() == "yes", (verb, resource, answer.stdout, answer.stderr)
     spec_patch = kubectl(apiserver, "auth", "can-i", "patch", "rltrainingjobs.hybridflow.io", "-n", job_ns,
                          f"--as={sa}")
     assert spec_patch.stdout.strip() == "no", "the operator writes a job's status, never its spec"
@@ -555,3 +788,91 @@ def test_rendered_chart_is_accepted_and_its_rbac_suffices(helm: str, apiserver: 
     # A real create, not a dry run: binding a Role is checked against the Role, which must exist.
     made = kubectl(apiserver, "create", "-f", "-", f"--as={sa}", objects=children)
     assert made.returncode == 0, made.stderr
+
+
+@pytest.mark.controlplane
+def test_aggregate_roles_grant_users_jobs_but_never_their_status(helm: str, apiserver: Any) -> None:
+    """The rules of the aggregated roles, bound directly (this API server runs no aggregation controller)."""
+    release_ns = "hf-users"
+    apply_chart(helm, apiserver, release_ns)
+    bindings = [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": f"{user}-{role}", "namespace": "jobs"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": f"{release_ns}-{role}"},
+         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}
+        for user, role in (("alice", "edit"), ("bob", "view"))
+    ]
+    made = kubectl(apiserver, "apply", "--server-side", "--field-manager=test", "-f", "-", objects=bindings)
+    assert made.returncode == 0, made.stderr
+    rlj = "rltrainingjobs.hybridflow.io"
+    for verb in ("create", "patch", "delete", "list", "watch"):
+        assert can(apiserver, "alice", verb, rlj, "-n", "jobs"), verb
+    assert can(apiserver, "alice", "get", rlj, "--subresource=status", "-n", "jobs")
+    assert not can(apiserver, "alice", "patch", rlj, "--subresource=status", "-n", "jobs")
+    assert not can(apiserver, "alice", "create", rlj, "-n", "default")  # only where bound
+    for verb in ("get", "list", "watch"):
+        assert can(apiserver, "bob", verb, rlj, "-n", "jobs"), verb
+    assert can(apiserver, "bob", "get", rlj, "--subresource=status", "-n", "jobs")
+    assert not can(apiserver, "bob", "create", rlj, "-n", "jobs")
+    assert not can(apiserver, "bob", "delete", rlj, "-n", "jobs")
+
+
+@pytest.mark.controlplane
+def test_install_check_reads_what_it_needs_and_passes_once_the_operator_is_available(
+        helm: str, apiserver: Any, tmp_path: Path) -> None:
+    """`helm test`'s check, run as the test pod's ServiceAccount (a TokenRequest token) against a real API server:
+    nothing runs the Deployment here, so it fails until its status is written the way its controller would."""
+    release_ns = "hf-check"
+    apply_chart(helm, apiserver, release_ns)
+    test_sa = f"system:serviceaccount:{release_ns}:{release_ns}-test"
+    assert can(apiserver, test_sa, "get", f"customresourcedefinitions/{crdgen.CRD_NAME}")
+    assert can(apiserver, test_sa, "get", f"deployments.apps/{release_ns}", "-n", release_ns)
+    assert not can(apiserver, test_sa, "list", "customresourcedefinitions")
+    assert not can(apiserver, test_sa, "get", "customresourcedefinitions/rayjobs.ray.io")
+    assert not can(apiserver, test_sa, "list", "deployments.apps", "-n", release_ns)
+    assert not can(apiserver, test_sa, "get", "deployments.apps/other", "-n", release_ns)
+    assert not can(apiserver, test_sa, "get", "secrets", "-n", release_ns)
+
+    token = kubectl(apiserver, "create", "token", f"{release_ns}-test", "-n", release_ns, "--duration=10m")
+    assert token.returncode == 0, token.stderr
+    admin = yaml.safe_load(apiserver.kubeconfig.read_text())
+    kubeconfig = tmp_path / "test-pod.kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "clusters": admin["clusters"],
+        "users": [{"name": "test", "user": {"token": token.stdout.strip()}}],
+        "contexts": [{"name": "test", "context": {"cluster": admin["clusters"][0]["name"], "user": "test"}}],
+        "current-context": "test",
+    }))
+    source = os.pathsep.join(str(ROOT / d) for d in ("runtime", "operator"))
+    run_env = {**os.environ, "KUBECONFIG": str(kubeconfig),
+               "PYTHONPATH": os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)}
+    command = [sys.executable, "-m", "hybridflow_operator.install_check", f"--deployment={release_ns}",
+               f"--namespace={release_ns}", "--timeout=0"]
+
+    before = subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=120, check=False)
+    assert before.returncode == 1, before.stdout + before.stderr
+    assert f"ok   CustomResourceDefinition {crdgen.CRD_NAME}: Established=True" in before.stdout
+    assert f"FAIL Deployment {release_ns}/{release_ns}: " in before.stdout
+    assert "HTTP" not in before.stdout and "Traceback" not in before.stderr  # refused nothing
+
+    generation = json.loads(kubectl(apiserver, "get", "deployment", release_ns, "-n", release_ns,
+                                    "-o", "json").stdout)["metadata"]["generation"]
+    status = {"status": {"observedGeneration": generation, "replicas": 1, "readyReplicas": 1,
+                         "availableReplicas": 1, "updatedReplicas": 1, "conditions": [
+                             {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable",
+                              "message": "Deployment has minimum availability.",
+                              "lastUpdateTime": "2026-01-01T00:00:00Z",
+                              "lastTransitionTime": "2026-01-01T00:00:00Z"}]}}
+    patched = kubectl(apiserver, "patch", "deployment", release_ns, "-n", release_ns, "--subresource=status",
+                      "--type=merge", "-p", json.dumps(status))
+    assert patched.returncode == 0, patched.stderr
+
+    after = subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=120, check=False)
+    assert after.returncode == 0, after.stdout + after.stderr
+    assert after.stdout.splitlines() == [
+        f"ok   CustomResourceDefinition {crdgen.CRD_NAME}: Established=True (InitialNamesAccepted: the initial "
+        "names have been accepted); serves v1alpha1",
+        f"ok   Deployment {release_ns}/{release_ns}: Available=True (MinimumReplicasAvailable: Deployment has "
+        "minimum availability.); 1/1 available",
+        install_check.PASSED,
+    ]

@@ -17,6 +17,7 @@ from .controlplane import KubectlClient
 CHART = Path(__file__).resolve().parents[2] / "charts" / "hybridflow"
 CRD_NAME = "rltrainingjobs.hybridflow.io"
 INSTALL_TIMEOUT_S = 180.0
+TEST_TIMEOUT_S = 120.0
 
 
 class HelmError(RuntimeError):
@@ -28,7 +29,8 @@ def helm_binary() -> str | None:
     return str(found) if found else None
 
 
-def helm(kube: KubectlClient, *args: str, timeout: float = INSTALL_TIMEOUT_S) -> str:
+def helm(kube: KubectlClient, *args: str, timeout: float = INSTALL_TIMEOUT_S, with_stderr: bool = False) -> str:
+    """helm's stdout (and its stderr after it, with_stderr: where helm writes hook pods' logs)."""
     binary = helm_binary()
     if binary is None:
         raise HelmError("helm not found: run `bash e2e/toolchain/build.sh helm` (needs Go) or put helm on PATH")
@@ -36,7 +38,7 @@ def helm(kube: KubectlClient, *args: str, timeout: float = INSTALL_TIMEOUT_S) ->
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if result.returncode != 0:
         raise HelmError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr}{result.stdout}")
-    return result.stdout
+    return result.stdout + result.stderr if with_stderr else result.stdout
 
 
 def install_chart(kube: KubectlClient, release: str, namespace: str, values: Mapping[str, Any] | None = None,
@@ -52,3 +54,17 @@ def install_chart(kube: KubectlClient, release: str, namespace: str, values: Map
         values_file.flush()
         helm(kube, "upgrade", "--install", release, str(CHART), "--namespace", namespace, "--create-namespace",
              "--wait", f"--timeout={int(timeout)}s", "-f", values_file.name, timeout=timeout + 30)
+
+
+def run_helm_test(kube: KubectlClient, release: str, namespace: str, timeout: float = TEST_TIMEOUT_S) -> str:
+    """`helm test`: the chart's test pod (operator image, python -m hybridflow_operator.install_check) finds the
+    CRD Established and the operator Deployment Available. Raises HelmError when it fails; returns what helm
+    printed, the pod's report included (Helm prints it itself: helm.sh/hook-output-log-policy).
+
+    Without --logs: the pod is deleted once it passed (hook-succeeded), and `--logs` reads the logs only after
+    that, so it would fail a passed test (helm/helm#9098)."""
+    out = helm(kube, "test", release, "-n", namespace, f"--timeout={int(timeout)}s", timeout=timeout + 30,
+               with_stderr=True)
+    if "Phase:          Succeeded" not in out:
+        raise HelmError(f"helm test {release} passed without a succeeded test:\n{out}")
+    return out

@@ -100,3 +100,10 @@ The peers each job's NetworkPolicy admits besides the job's own pods, as JSON: t
 {{- $operator := dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" (include "hybridflow.selectorLabels" . | fromYaml)) }}
 {{- prepend (.Values.networkPolicy.ingressFrom | default list) $operator | toJson }}
 {{- end }}
+
+{{/*
+Name of the `helm test` pod and of its ServiceAccount and roles (templates/tests/).
+*/}}
+{{- define "hybridflow.testName" -}}
+{{- printf "%s-test" (include "hybridflow.fullname" .) }}
+{{- end }}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import difflib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
 
-from hybridflow.api import yaml_text
+from hybridflow.api import generated, yaml_text
 from hybridflow.api.spec import API_GROUP, API_VERSION, KIND, PLURAL, RLTrainingJobSpec
 from hybridflow.api.status import RLTrainingJobStatus
 
@@ -321,37 +320,12 @@ def outputs(out_dir: Path, chart_dir: Path) -> dict[Path, Callable[[], str]]:
 
 def check(out_dir: Path, chart_dir: Path) -> list[str]:
     """Differences between the files on disk and what the models generate (empty when up to date)."""
-    problems: list[str] = []
-    for path, render in outputs(out_dir, chart_dir).items():
-        want = render()
-        have = path.read_text() if path.is_file() else None
-        if have is None:
-            problems.append(f"{path}: missing")
-        elif have != want:
-            diff = list(
-                difflib.unified_diff(
-                    have.splitlines(),
-                    want.splitlines(),
-                    f"{path} (on disk)",
-                    f"{path} (generated)",
-                    lineterm="",
-                )
-            )
-            shown = "\n".join(diff[:40]) + (f"\n... {len(diff) - 40} more diff lines" if len(diff) > 40 else "")
-            problems.append(f"{path}: out of date\n{shown}")
-    return problems
+    return generated.stale(outputs(out_dir, chart_dir))
 
 
 def write(out_dir: Path, chart_dir: Path) -> list[Path]:
     """Regenerate the files; returns the ones whose content changed."""
-    changed = []
-    for path, render in outputs(out_dir, chart_dir).items():
-        text = render()
-        if not path.is_file() or path.read_text() != text:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            changed.append(path)
-    return changed
+    return generated.write(outputs(out_dir, chart_dir))
 
 
 def main(argv: list[str] | None = None) -> int:
