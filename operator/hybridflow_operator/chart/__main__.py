@@ -31,22 +31,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="Helm chart directory (charts/hybridflow)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the files are stale")
     args = parser.parse_args(argv)
-    if args.check:
-        problems = generated.stale(outputs(args.chart))
-        for p in problems:
-            print(p, file=sys.stderr)
-        if problems:
-            print("chart files are stale: run `make chart-files` and commit the result", file=sys.stderr)
-            return 1
-        print("chart files are up to date")
-        return 0
-    changed = generated.write(outputs(args.chart))
-    for path in changed:
-        print(f"wrote {path}")
-    if not changed:
-        print("chart files already up to date")
-    return 0
-
+    return generated.sync(outputs(args.chart), check=args.check, what="chart files", make_target="chart-files")
 
 if __name__ == "__main__":
     sys.exit(main())

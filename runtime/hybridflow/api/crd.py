@@ -323,11 +323,6 @@ def check(out_dir: Path, chart_dir: Path) -> list[str]:
     return generated.stale(outputs(out_dir, chart_dir))
 
 
-def write(out_dir: Path, chart_dir: Path) -> list[Path]:
-    """Regenerate the files; returns the ones whose content changed."""
-    return generated.write(outputs(out_dir, chart_dir))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hybridflow.api.crd", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("crds"), help="directory of the CRD YAML (crds)")
@@ -343,22 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stdout:
         sys.stdout.write(render_crd_yaml())
         return 0
-    if args.check:
-        problems = check(args.out, args.chart)
-        for p in problems:
-            print(p, file=sys.stderr)
-        if problems:
-            print("CRD files are stale: run `make crds` and commit the result", file=sys.stderr)
-            return 1
-        print("CRD files are up to date")
-        return 0
-    changed = write(args.out, args.chart)
-    for path in changed:
-        print(f"wrote {path}")
-    if not changed:
-        print("CRD files already up to date")
-    return 0
-
+    return generated.sync(outputs(args.out, args.chart), check=args.check, what="CRD files", make_target="crds")
 
 if __name__ == "__main__":
     sys.exit(main())

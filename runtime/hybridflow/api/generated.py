@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -50,3 +51,22 @@ def write(outputs: Outputs) -> list[Path]:
             path.write_text(text)
             changed.append(path)
     return changed
+
+
+def sync(outputs: Outputs, *, check: bool, what: str, make_target: str) -> int:
+    """The generators' command line: `check` reports drift (exit 1), otherwise the files are rewritten."""
+    if check:
+        problems = stale(outputs)
+        for p in problems:
+            print(p, file=sys.stderr)
+        if problems:
+            print(f"{what} are stale: run `make {make_target}` and commit the result", file=sys.stderr)
+            return 1
+        print(f"{what} are up to date")
+        return 0
+    changed = write(outputs)
+    for path in changed:
+        print(f"wrote {path}")
+    if not changed:
+        print(f"{what} already up to date")
+    return 0
