@@ -44,7 +44,6 @@ def hybridflow_batch(spec):  # -> RolloutBatch
     return batch
 
 
-@pytest.mark.timeout(120)
 def test_naive_ray_two_steps_finite_and_shaped_like_hybridflow(local_ray: None) -> None:
     spec = load_job(TINY_GRPO).spec
     result = run_naive(spec, steps=2)
