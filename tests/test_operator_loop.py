@@ -392,8 +392,13 @@ def test_first_statuses_too_wait_while_many_clusters_start_and_creates_do_not() 
         return loop, created, clock() - t0
 
     loop, created, elapsed = run(scenario())
-    assert created < 0.5  # every job's children at once
-    assert loop.kube.verbs().count(("patch-status", "RLTrainingJob")) == 4
+    verbs = loop.kube.verbs()
+    creates = [i for i, v in enumerate(verbs) if v == ("create", "RayJob")]
+    statuses = [i for i, v in enumerate(verbs) if v == ("patch-status", "RLTrainingJob")]
+    # every job's children at once: all four RayJobs before the statuses that wait for the rate (a burst of two)
+    assert len(creates) == 4 and creates[-1] < statuses[2], verbs
+    assert created < elapsed - 1.0
+    assert len(statuses) == 4
     assert elapsed >= 1.9  # a burst of two, then one a second: the API server shows the others as not yet observed
     assert "get" not in {verb for verb, _ in loop.kube.verbs()}  # the default status is not one the operator wrote
 
