@@ -65,7 +65,8 @@ class Plan:
 
 
 PLAN = pytest.StashKey[Plan]()
-BINARY_MARKERS = {"controlplane", "realnodes", "realnodes_full"}
+NODE_MARKERS = {"realnodes", "realnodes_full"}
+BINARY_MARKERS = {"controlplane"} | NODE_MARKERS
 BINARY_FIXTURES = CLUSTER_FIXTURES | {"helm"}  # tests/test_chart.py renders with the pinned helm
 
 
@@ -80,16 +81,16 @@ def needs_binaries(item: pytest.Item) -> bool:
 
 def wanted_components(items: list[pytest.Item]) -> tuple[str, ...]:
     """The binaries the selected tests run, in the order they are first needed."""
-    fixtures = set().union(*(set(getattr(item, "fixturenames", ())) for item in items)) if items else set()
+    fixtures = set().union(*(getattr(item, "fixturenames", ()) for item in items))
     markers = {m.name for item in items for m in item.iter_markers()}
     wanted: list[str] = []
     if (fixtures & CLUSTER_FIXTURES) or (markers & BINARY_MARKERS):
         wanted += [*binaries.MINIMAL, "kubectl", "kuberay-crds"]  # kubectl: a client of the server's version
-    if (fixtures & FULL_FIXTURES) or (markers & {"realnodes", "realnodes_full"}):
+    if (fixtures & FULL_FIXTURES) or (markers & NODE_MARKERS):
         wanted += [*binaries.FULL, "helm"]  # the cluster tests install the chart
     if "helm" in fixtures:
         wanted.append("helm")
-    if markers & {"realnodes", "realnodes_full"}:
+    if markers & NODE_MARKERS:
         wanted += binaries.NODE
     return tuple(dict.fromkeys(wanted))
 
@@ -97,7 +98,7 @@ def wanted_components(items: list[pytest.Item]) -> tuple[str, ...]:
 def binaries_last(items: list[pytest.Item]) -> list[pytest.Item]:
     """Modules whose tests run built binaries go last (whole modules, so module fixtures stay whole): the
     rest run while a cold machine still builds."""
-    late_modules = {item.module for item in items if needs_binaries(item)} if items else set()
+    late_modules = {getattr(item, "module", None) for item in items if needs_binaries(item)}
     early = [item for item in items if getattr(item, "module", None) not in late_modules]
     return early + [item for item in items if getattr(item, "module", None) in late_modules]
 
