@@ -17,7 +17,8 @@ import torch
 
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.data.prompts import load_rows
-from hybridflow.data.tiny import resolve_model_path, tiny_task_reward
+from hybridflow.data.tiny import tiny_task_reward
+from hybridflow.hub import resolve_model_path
 
 
 def optimizer_steps_per_rl_step(spec: RLTrainingJobSpec) -> tuple[int, int]:
@@ -136,8 +137,9 @@ def run_trl(spec: RLTrainingJobSpec, steps: int, threads: int = 1) -> dict[str, 
             logging_strategy="no", save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
             log_completions=False, dataloader_num_workers=0, seed=spec.trainer.seed,
         )
+        model = resolve_model_path(spec.model.policy.path, "spec.model.policy.path")
         trainer = Timed(
-            model=resolve_model_path(spec.model.policy.path), reward_funcs=tiny_reward, args=config,  # type: ignore[arg-type]
+            model=model, reward_funcs=tiny_reward, args=config,  # type: ignore[arg-type]
             train_dataset=dataset, callbacks=[StepClock()],
         )
         backward: Callable[..., Any] = trainer.accelerator.backward

@@ -256,3 +256,39 @@ def right_padded_mask(lengths: list[int], num_tokens: int) -> Any:
     import torch
 
     return (torch.arange(num_tokens)[None, :] < torch.tensor(lengths)[:, None]).long()
+
+
+@dataclass(frozen=True)
+class HubName:
+    """A value of a field that may name the Hub, and whether the models and the API server take it."""
+
+    field: str
+    """spec.model.policy.path or spec.data.train."""
+    value: str
+    accepted: bool
+
+
+_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+HUB_NAMES = [
+    *(HubName("spec.model.policy.path", v, True) for v in (
+        "Qwen/Qwen2.5-0.5B-Instruct", "hf://Qwen/Qwen2.5-0.5B-Instruct", "hf://Qwen/Qwen2.5-0.5B-Instruct@main",
+        f"hf://gpt2@{_COMMIT}", "hf://org/name@v1.0", "/mnt/models/qwen", "./org/name", "builtin:tiny")),
+    *(HubName("spec.model.policy.path", v, False) for v in (
+        "hf://", "hf://Qwen/", "hf://a/b/c", "hf://a/b@", "hf://a/b@feature/x", "hf://datasets/org/name",
+        "hf://-a/b", "hf://a b/c", "hf://a/b\n")),
+    *(HubName("spec.data.train", v, True) for v in (
+        "hf://datasets/openai/gsm8k", "hf://datasets/openai/gsm8k/main?split=test",
+        "hf://datasets/org/name@v1/cfg?split=train", "hf://datasets/org/name?split=validation",
+        "/mnt/data/train.parquet", "builtin:tiny_task")),
+    *(HubName("spec.data.train", v, False) for v in (
+        "hf://datasets/gsm8k", "hf://org/name", "hf://datasets/org/name?split=", "hf://datasets/org/name/cfg/extra",
+        "hf://datasets/org/name?revision=v1")),
+]
+"""Hub names both tests/test_hub.py (the models) and tests/test_crd.py (the API server's rule) check."""
+
+
+def hub_name_spec(name: HubName) -> dict[str, Any]:
+    """The smallest spec that sets `name.field` to `name.value`."""
+    if name.field == "spec.data.train":
+        return {"data": {"train": name.value}}
+    return {"model": {"policy": {"path": name.value}}}

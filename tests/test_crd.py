@@ -25,7 +25,7 @@ import yaml
 
 from hybridflow.api import crd as crdgen
 from hybridflow.api.spec import RLTrainingJobSpec
-from tests.helpers import BAD_POD_SETTINGS, BadPodSetting, minimal_apiserver
+from tests.helpers import BAD_POD_SETTINGS, HUB_NAMES, BadPodSetting, HubName, hub_name_spec, minimal_apiserver
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS_DIR = ROOT / "crds"
@@ -613,6 +613,19 @@ def test_api_server_rejects_pod_settings_that_cannot_work(apiserver: Any, bad: B
     assert result.returncode != 0, f"{bad.case} was accepted"
     assert f"{bad.api_field or bad.field}: " in result.stderr, result.stderr
     assert (bad.api_says or bad.says) in result.stderr, result.stderr
+
+
+@controlplane
+@pytest.mark.parametrize("name", HUB_NAMES, ids=[f"{n.field.split('.')[-1]}={n.value}" for n in HUB_NAMES])
+def test_api_server_checks_hub_names_as_the_models_do(apiserver: Any, name: HubName) -> None:
+    """The CEL rule and hybridflow.hub share one pattern: the API server takes exactly what the models take."""
+    result = create(apiserver, job(**hub_name_spec(name)))
+    if name.accepted:
+        assert result.returncode == 0, result.stderr
+    else:
+        assert result.returncode != 0, f"{name.value!r} was accepted"
+        assert f"{name.field}: Invalid value" in result.stderr, result.stderr
+        assert "a Hub dataset is hf://datasets/Org/Name" in result.stderr or "a Hub model is Org/Name" in result.stderr
 
 
 @controlplane

@@ -32,7 +32,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             bad += 1
             continue
         name = "<stdin>" if path == STDIN else path
-        problems = _graph_problems(job)
+        problems = _graph_problems(job) + _hub_problems(job)
         if problems:
             print(SpecError(name, problems).render(), file=sys.stderr)
             bad += 1
@@ -45,6 +45,13 @@ def _graph_problems(job: RLTrainingJob) -> list[str]:
     from hybridflow.plan import graph_problems
 
     return graph_problems(job.spec, "GPU")
+
+
+def _hub_problems(job: RLTrainingJob) -> list[str]:
+    """Hub names that are neither in the local cache nor known to the Hub (none asked when HF_HUB_OFFLINE)."""
+    from hybridflow.hub import hub_problems
+
+    return hub_problems(job.spec)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -91,6 +98,9 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
     if problems:
         print(SpecError(config, problems).render(), file=sys.stderr)
         return 1
+    from hybridflow.hub import pin_sources
+
+    job.spec = pin_sources(job.spec)  # fetched by preflight: the controller and workers open these commits
     metrics_out = args.metrics_out or default_metrics_path(job, local)
     if contract.job_from_env() is not None:  # a pod of the job: the driver, on the Ray head, serves the live page
         _serve_dashboard(job, getattr(args, "dashboard_port", contract.DASHBOARD_PORT))

@@ -1,5 +1,8 @@
 """Checks that need the filesystem or Python imports, run in the driver before any worker starts,
-so a wrong path or reward function is one clear message instead of a dead Ray actor."""
+so a wrong path or reward function is one clear message instead of a dead Ray actor.
+
+Resolving a Hub name here fetches it into the Hub cache: the driver fetches each model and dataset once,
+before the workers load them (hybridflow.hub)."""
 
 from __future__ import annotations
 
@@ -14,14 +17,7 @@ from hybridflow.workers.reward import RewardFunctionError, resolve_reward_functi
 def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
     """Every problem found, each naming its spec field; empty when the job can start."""
     problems: list[str] = []
-    models = [(spec.model.policy.path, "spec.model.policy.path")]
-    if spec.algorithm.trains_critic and spec.model.critic.path:
-        models.append((spec.model.critic.path, "spec.model.critic.path"))
-    if spec.model.reference.enabled and spec.model.reference.path:
-        models.append((spec.model.reference.path, "spec.model.reference.path"))
-    if spec.reward.type == "model" and spec.reward.model is not None:
-        models.append((spec.reward.model.path, "spec.reward.model.path"))
-    for path, field in models:
+    for field, path in spec.model_paths():
         try:
             check_model_dir(path, field)
         except ModelPathError as e:
@@ -31,10 +27,11 @@ def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
             resolve_reward_function(spec.reward.function)
         except RewardFunctionError as e:
             problems.append(str(e))
-    try:
-        load_rows(spec.data.train, spec.data.prompt_key, spec.data.answer_key, spec.trainer.seed)
-    except DataError as e:
-        problems.append(str(e))
+    for field, source in spec.data_sources():
+        try:
+            load_rows(source, spec.data.prompt_key, spec.data.answer_key, spec.trainer.seed, field)
+        except DataError as e:
+            problems.append(str(e))
     problems += graph_problems(spec, "GPU" if accelerator == "GPU" else "CPU")
     if spec.rollout.engine == "vllm" and accelerator != "GPU":
         problems.append("spec.rollout.engine: 'vllm' needs a GPU; use 'torch' on CPU-only machines")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from hybridflow.api.base import ApiModel
@@ -31,6 +31,7 @@ from hybridflow.api.pod import (
 from hybridflow.api.schema import CpuAmount, Quantity, list_map
 from hybridflow.api.schema import cel as _cel
 from hybridflow.api.schema import rules as _rules
+from hybridflow.hub import RepoType, cel_rule, ref_problem
 
 API_GROUP = "hybridflow.io"
 API_VERSION = "v1alpha1"
@@ -127,24 +128,55 @@ class Algorithm(ApiModel):
         return self.name in CRITIC_ALGORITHMS
 
 
-class ModelRef(ApiModel):
-    """A causal LM: a local directory, a PVC mount path, or `builtin:tiny`."""
+MAX_PATH_LENGTH = 4096
+"""Longest model or data path (PATH_MAX); it also bounds the cost of the CEL rule on Hub names."""
 
-    path: str = Field("builtin:tiny", min_length=1)
+
+def _hub_name_check(kind: RepoType) -> Callable[[str], str]:
+    """hf:// strings must spell a Hub name of `kind` (hybridflow.hub); the API server checks the same pattern."""
+
+    def check(value: str) -> str:
+        problem = ref_problem(value, kind)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    return check
+
+
+def _hub_name_schema(kind: RepoType) -> dict[str, Any]:
+    rule, message = cel_rule(kind)
+    return _rules(_cel(rule, message))
+
+
+ModelPath = Annotated[str, AfterValidator(_hub_name_check("model")),
+                      Field(max_length=MAX_PATH_LENGTH, json_schema_extra=_hub_name_schema("model"))]
+"""A model path: a directory, builtin:tiny, or a Hub model name."""
+DataPath = Annotated[str, AfterValidator(_hub_name_check("dataset")),
+                     Field(max_length=MAX_PATH_LENGTH, json_schema_extra=_hub_name_schema("dataset"))]
+"""A data source: a builtin, a file, or a Hub dataset name."""
+
+
+class ModelRef(ApiModel):
+    """A causal LM: a local directory (a PVC mount path), `builtin:tiny`, or a Hugging Face Hub name."""
+
+    path: ModelPath = Field("builtin:tiny", min_length=1)
+    """A directory, `builtin:tiny`, or a Hub model: `Org/Name` or `hf://Org/Name@revision` (branch, tag or
+    commit), fetched once into $HF_HOME/hub before the workers start."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 class CriticModel(ApiModel):
-    path: str | None = None
-    """Backbone of the critic; defaults to the policy path."""
+    path: ModelPath | None = None
+    """Backbone of the critic (a directory or a Hub name, as policy.path); defaults to the policy path."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 class ReferenceModel(ApiModel):
     enabled: bool = True
     """A frozen copy of the initial policy scores log-probs for the KL penalty."""
-    path: str | None = None
-    """Defaults to the policy path."""
+    path: ModelPath | None = None
+    """A directory or a Hub name, as policy.path; defaults to the policy path."""
 
 
 class Models(ApiModel):
@@ -154,8 +186,8 @@ class Models(ApiModel):
 
 
 class RewardModelRef(ApiModel):
-    path: str = Field(min_length=1)
-    """A sequence-classification model directory (num_labels=1)."""
+    path: ModelPath = Field(min_length=1)
+    """A sequence-classification model (num_labels=1): a directory or a Hub name, as model.policy.path."""
 
 
 class Reward(ApiModel):
@@ -182,8 +214,9 @@ class Reward(ApiModel):
 
 
 class Data(ApiModel):
-    train: str = Field("builtin:tiny_task", min_length=1)
-    """`builtin:tiny_task`, or a .parquet/.jsonl file (local path or PVC mount)."""
+    train: DataPath = Field("builtin:tiny_task", min_length=1)
+    """`builtin:tiny_task`, a .parquet/.jsonl file (local path or PVC mount), or a Hub dataset:
+    `hf://datasets/Org/Name[@revision][/config][?split=name]` (split defaults to train)."""
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     """Column passed to the reward function as the ground truth."""
@@ -559,6 +592,22 @@ class RLTrainingJobSpec(ApiModel):
     scheduling: Scheduling = Field(default_factory=Scheduling)
     cluster: Cluster = Field(default_factory=Cluster)
     run_policy: RunPolicy = Field(default_factory=RunPolicy)
+
+    def model_paths(self) -> list[tuple[str, str]]:
+        """(field, path) of every model the job loads: the policy, the critic (when trained) and the reference
+        where they name their own, and a reward model."""
+        out = [("spec.model.policy.path", self.model.policy.path)]
+        if self.algorithm.trains_critic and self.model.critic.path:
+            out.append(("spec.model.critic.path", self.model.critic.path))
+        if self.model.reference.enabled and self.model.reference.path:
+            out.append(("spec.model.reference.path", self.model.reference.path))
+        if self.reward.type == "model" and self.reward.model is not None:
+            out.append(("spec.reward.model.path", self.reward.model.path))
+        return out
+
+    def data_sources(self) -> list[tuple[str, str]]:
+        """(field, source) of every dataset the job reads."""
+        return [("spec.data.train", self.data.train)]
 
     @model_validator(mode="after")
     def _cross_field(self) -> RLTrainingJobSpec:

@@ -105,7 +105,3 @@ def ensure_tiny_model(seed: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
 
-
-def resolve_model_path(path: str, seed: int = 0) -> str:
-    """`builtin:tiny` becomes the cached tiny model directory; other paths are used as they are."""
-    return str(ensure_tiny_model(seed)) if path == TINY_MODEL else path

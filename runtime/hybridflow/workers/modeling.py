@@ -8,14 +8,15 @@ from pathlib import Path
 import torch
 
 from hybridflow.algos import entropy_from_logits, logprobs_from_logits
-from hybridflow.data.tiny import resolve_model_path
+from hybridflow.hub import HubError, resolve_model_path
 from hybridflow.workers.batch import RolloutBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelPathError(ValueError):
-    """A model directory that does not exist or is not an HF model; names the spec field."""
+    """A model directory that does not exist or is not an HF model, or a Hub name that cannot be resolved;
+    names the spec field."""
 
 
 def pick_device(want_gpu: bool = True) -> torch.device:
@@ -33,8 +34,12 @@ def prepare_process() -> None:
 
 
 def check_model_dir(path: str, field: str) -> str:
-    """Resolve builtin names and fail with the spec field when the directory is not a model."""
-    resolved = resolve_model_path(path)
+    """Resolve builtin and Hub names (hybridflow.hub) and fail with the spec field when the directory is not a
+    model."""
+    try:
+        resolved = resolve_model_path(path, field)
+    except HubError as e:
+        raise ModelPathError(str(e)) from None
     if not (Path(resolved) / "config.json").is_file():
         raise ModelPathError(f"{field}: no HF model at {path!r} (expected a directory with config.json)")
     return resolved
