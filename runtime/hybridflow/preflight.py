@@ -4,7 +4,7 @@ so a wrong path or reward function is one clear message instead of a dead Ray ac
 from __future__ import annotations
 
 from hybridflow.api.spec import RLTrainingJobSpec
-from hybridflow.data.prompts import DataError, load_rows
+from hybridflow.data.prompts import DataError, load_prompts
 from hybridflow.plan import graph_problems
 from hybridflow.trackers import missing_extras
 from hybridflow.workers.modeling import ModelPathError, check_model_dir
@@ -31,10 +31,11 @@ def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
             resolve_reward_function(spec.reward.function)
         except RewardFunctionError as e:
             problems.append(str(e))
-    try:
-        load_rows(spec.data.train, spec.data.prompt_key, spec.data.answer_key, spec.trainer.seed)
-    except DataError as e:
-        problems.append(str(e))
+    for split in ("train", "val"):
+        try:
+            load_prompts(spec, split)
+        except DataError as e:
+            problems.append(str(e))
     problems += graph_problems(spec, "GPU" if accelerator == "GPU" else "CPU")
     if spec.rollout.engine == "vllm" and accelerator != "GPU":
         problems.append("spec.rollout.engine: 'vllm' needs a GPU; use 'torch' on CPU-only machines")

@@ -4,47 +4,81 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
+from hybridflow.api.spec import PromptFormat, RLTrainingJobSpec
+from hybridflow.data import DataError
+from hybridflow.data.chat import ChatTemplate, PromptRenderer
 from hybridflow.data.tiny import TINY_TASK, tiny_task_rows
 
+__all__ = ["DataError", "PromptSampler", "load_prompts", "load_rows", "repeat_samples"]
+
 TINY_TASK_SIZE = 1000
+TINY_VAL_SIZE = 200
+"""Prompts of `builtin:tiny_task` as spec.data.val: a draw of their own (there are only 1000 distinct prompts,
+so some also occur in training; the task is to learn the rule, which either set measures)."""
+Split = Literal["train", "val"]
 
 
-class DataError(ValueError):
-    """A data source that cannot be read; the message names spec.data.train."""
+def load_rows(source: str, prompt_key: str, answer_key: str, seed: int = 0, split: Split = "train",
+              prompt_format: PromptFormat = "raw", template: Callable[[], ChatTemplate] | None = None,
+              ) -> list[dict[str, str]]:
+    """Rows with `prompt` and `answer` (answer may be empty) from a builtin, .parquet or .jsonl source.
 
-
-def load_rows(source: str, prompt_key: str, answer_key: str, seed: int = 0) -> list[dict[str, str]]:
-    """Rows with `prompt` and `answer` (answer may be empty) from a builtin, .parquet or .jsonl source."""
+    Problems name spec.data.<split>; `prompt_format` and `template` render chat prompts (see data.chat).
+    """
+    where = f"spec.data.{split}"
     if source == TINY_TASK:
-        return tiny_task_rows(TINY_TASK_SIZE, seed)
+        records: list[dict[str, Any]] = (tiny_task_rows(TINY_TASK_SIZE, seed) if split == "train"
+                                         else tiny_task_rows(TINY_VAL_SIZE, seed, stream=split))
+        prompt_key, answer_key = "prompt", "answer"
+    else:
+        records = _read_records(source, where)
+        if prompt_key not in records[0]:
+            raise DataError(f"spec.data.promptKey: column {prompt_key!r} not in {source} (has {sorted(records[0])})")
+    render = PromptRenderer(prompt_format, template)
+    return [{**render(r[prompt_key]), "answer": str(r.get(answer_key, "") or "")} for r in records]
+
+
+def load_prompts(spec: RLTrainingJobSpec, split: Split) -> list[dict[str, str]]:
+    """The rows of spec.data.train or spec.data.val, in spec.data.promptFormat with the policy's chat template."""
+    source = spec.data.train if split == "train" else spec.data.val
+    if source is None:
+        return []
+    return load_rows(source, spec.data.prompt_key, spec.data.answer_key, spec.trainer.seed, split,
+                     spec.data.prompt_format, lambda: ChatTemplate.of_model(spec.model.policy.path))
+
+
+def repeat_samples(rows: list[dict[str, str]], n: int) -> tuple[list[dict[str, str]], list[int]]:
+    """Each row n times in a row, and the index of its prompt (the group id of its samples)."""
+    return [r for r in rows for _ in range(n)], [i for i in range(len(rows)) for _ in range(n)]
+
+
+def _read_records(source: str, where: str) -> list[dict[str, Any]]:
     if source.startswith("builtin:"):
-        raise DataError(f"spec.data.train: unknown built-in dataset {source!r}, allowed: {TINY_TASK}")
+        raise DataError(f"{where}: unknown built-in dataset {source!r}, allowed: {TINY_TASK}")
     path = Path(source)
     if not path.is_file():
-        raise DataError(f"spec.data.train: file not found: {source}")
+        raise DataError(f"{where}: file not found: {source}")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        records = pq.read_table(path).to_pylist()
+        records: list[dict[str, Any]] = pq.read_table(path).to_pylist()
     elif path.suffix in (".jsonl", ".json"):
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                records += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: {source} is not JSON lines: line {number}: {e.msg}") from None
     else:
-        raise DataError(f"spec.data.train: unsupported file type {path.suffix!r}, allowed: .parquet, .jsonl")
+        raise DataError(f"{where}: unsupported file type {path.suffix!r}, allowed: .parquet, .jsonl")
     if not records:
-        raise DataError(f"spec.data.train: {source} has no rows")
-    if prompt_key not in records[0]:
-        raise DataError(f"spec.data.promptKey: column {prompt_key!r} not in {source} (has {sorted(records[0])})")
-    return [{"prompt": _as_text(r[prompt_key]), "answer": str(r.get(answer_key, "") or "")} for r in records]
-
-
-def _as_text(value: object) -> str:
-    """Chat-style prompts (a list of {role, content}) are joined; plain strings pass through."""
-    if isinstance(value, list):
-        return "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in value)
-    return str(value)
+        raise DataError(f"{where}: {source} has no rows")
+    return records
 
 
 @dataclass
