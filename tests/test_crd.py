@@ -572,6 +572,11 @@ REJECTED = [
         "trainer.evalEvery needs data.val, the prompts to evaluate on",
     ),
     (
+        "eval-with-a-null-val",
+        {"data": {"val": None}, "trainer": {"evalEvery": 5}},
+        "trainer.evalEvery needs data.val, the prompts to evaluate on",
+    ),
+    (
         "greedy-eval-with-a-temperature",
         {"data": {"val": "builtin:tiny_task"}, "trainer": {"eval": {"temperature": 0.5}}},
         "eval.temperature and eval.samplesPerPrompt above 1 need eval.greedy false",
