@@ -49,6 +49,21 @@ def test_validate_reports_every_problem(tmp_path, example_doc) -> None:
                          "spec.trainer.totalStep: unknown field")
 
 
+def test_validate_names_evaluation_settings_that_cannot_work(tmp_path, example_doc) -> None:
+    doc = example_doc("tiny-ppo.yaml")
+    doc["spec"]["trainer"]["eval"] = {"samplesPerPrompt": 4}
+    doc["spec"]["data"]["promptFormat"] = "jinja"
+    fields = write(tmp_path, doc, "fields.yaml")
+    doc = example_doc("tiny-ppo.yaml")
+    doc["spec"]["trainer"]["evalEvery"] = 5
+    no_val = write(tmp_path, doc, "no-val.yaml")
+    out = hybridflow("validate", fields, no_val)
+    assert_clean_failure(out, "fields.yaml: 2 problems",
+                         "spec.data.promptFormat: got 'jinja', allowed: 'auto', 'chat' or 'raw'",
+                         "spec.trainer.eval: eval.temperature and eval.samplesPerPrompt above 1 need eval.greedy "
+                         "false", "no-val.yaml: 1 problem\n  - spec: trainer.evalEvery needs data.val")
+
+
 def test_validate_names_pod_settings_that_cannot_work(tmp_path, example_doc) -> None:
     doc = example_doc("ppo-job.yaml")
     doc["spec"]["cluster"]["volumeMounts"].append({"name": "logs", "mountPath": "/var/log/ray"})
@@ -130,9 +145,11 @@ def test_run_names_missing_paths_and_unimportable_reward(tmp_path, example_doc) 
     doc["spec"]["model"]["policy"]["path"] = str(tmp_path / "no-model")
     doc["spec"]["reward"]["function"] = "no_such_module:score"
     doc["spec"]["data"]["train"] = str(tmp_path / "missing.parquet")
+    doc["spec"]["data"]["val"] = str(tmp_path / "missing-val.jsonl")
     out = hybridflow("run", write(tmp_path, doc), "--quiet")
-    assert_clean_failure(out, "3 problems", "spec.model.policy.path: no HF model",
-                         "spec.reward.function: cannot import", "spec.data.train: file not found")
+    assert_clean_failure(out, "4 problems", "spec.model.policy.path: no HF model",
+                         "spec.reward.function: cannot import", "spec.data.train: file not found",
+                         "spec.data.val: file not found")
 
 
 @pytest.mark.slow

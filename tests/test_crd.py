@@ -166,6 +166,7 @@ def test_printer_columns(crd: dict[str, Any]) -> None:
         "Succeeded",
         "Step",
         "Reward",
+        "Val-Reward",
         "Phase",
         "Algorithm",
         "GPU",
@@ -179,7 +180,8 @@ def test_printer_columns(crd: dict[str, Any]) -> None:
     assert columns["Reward"]["jsonPath"] == ".status.progress.rewardMean"
     assert columns["Age"] == {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
     wide = {name for name, c in columns.items() if c.get("priority") == 1}
-    assert wide == {"Phase", "Algorithm", "GPU", "RayJob", "Total-Steps"}
+    assert wide == {"Val-Reward", "Phase", "Algorithm", "GPU", "RayJob", "Total-Steps"}
+    assert columns["Val-Reward"]["jsonPath"] == ".status.progress.valRewardMean"
     assert columns["GPU"]["jsonPath"] == ".spec.cluster.gpuType"
     assert columns["RayJob"]["jsonPath"] == ".status.rayJobName"
     assert columns["Total-Steps"]["jsonPath"] == ".spec.trainer.totalSteps"
@@ -565,6 +567,26 @@ REJECTED = [
         "rollout.tensorParallelSize above 1 needs rollout.engine vllm",
     ),
     (
+        "eval-without-val",
+        {"trainer": {"evalEvery": 5}},
+        "trainer.evalEvery needs data.val, the prompts to evaluate on",
+    ),
+    (
+        "eval-with-a-null-val",
+        {"data": {"val": None}, "trainer": {"evalEvery": 5}},
+        "trainer.evalEvery needs data.val, the prompts to evaluate on",
+    ),
+    (
+        "greedy-eval-with-a-temperature",
+        {"data": {"val": "builtin:tiny_task"}, "trainer": {"eval": {"temperature": 0.5}}},
+        "eval.temperature and eval.samplesPerPrompt above 1 need eval.greedy false",
+    ),
+    (
+        "greedy-eval-with-samples",
+        {"data": {"val": "builtin:tiny_task"}, "trainer": {"eval": {"greedy": True, "samplesPerPrompt": 4}}},
+        "eval.temperature and eval.samplesPerPrompt above 1 need eval.greedy false",
+    ),
+    (
         "min-above-replicas",
         {"cluster": {"workerGroups": [{"name": "default", "replicas": 1, "minReplicas": 2}]}},
         "minReplicas must be at most replicas",
@@ -603,6 +625,23 @@ def test_api_server_rejects(apiserver: Any, case: str, spec: dict[str, Any], mes
     result = create(apiserver, job(f"bad-{case}", **spec))
     assert result.returncode != 0, f"{case} was accepted"
     assert message in result.stderr, result.stderr
+
+
+EVAL_SETTINGS = [
+    {"data": {"val": "builtin:tiny_task", "promptFormat": "chat"}, "trainer": {"evalEvery": 5}},
+    {"data": {"val": "/data/val.jsonl"}, "trainer": {"eval": {"greedy": False, "temperature": 0.6,
+                                                               "samplesPerPrompt": 4}}},
+    {"data": {"val": "builtin:tiny_task"}, "trainer": {"eval": {"greedy": True, "temperature": None}}},
+    {"data": {"val": None}, "trainer": {"evalEvery": 0}},
+]
+
+
+@controlplane
+@pytest.mark.parametrize("spec", EVAL_SETTINGS, ids=["every", "sampled", "null-temperature", "null-val"])
+def test_api_server_accepts_what_the_model_accepts_of_evaluation(apiserver: Any, spec: dict[str, Any]) -> None:
+    RLTrainingJobSpec.model_validate(spec)
+    result = create(apiserver, job(**spec))
+    assert result.returncode == 0, result.stderr
 
 
 @controlplane
@@ -761,7 +800,7 @@ def test_status_subresource_takes_conditions_and_progress(apiserver: Any, runnin
                     "lastTransitionTime": "2025-01-01T00:00:00Z",
                 }
             ],
-            "progress": {"step": 3, "totalSteps": 20, "rewardMean": 0.25},
+            "progress": {"step": 3, "totalSteps": 20, "rewardMean": 0.25, "valRewardMean": 0.5},
         }
     }
     result = merge_patch(apiserver, running, status, "--subresource=status")
@@ -772,6 +811,6 @@ def test_status_subresource_takes_conditions_and_progress(apiserver: Any, runnin
     table = kubectl(apiserver, "get", "rltrainingjob", running, "-n", "default", "-o", "wide").stdout
     header, row = table.splitlines()[:2]
     assert header.split()[:4] == ["NAME", "READY", "SUCCEEDED", "STEP"]
-    assert row.split()[1:5] == ["True", "3", "0.25", "Running"]
+    assert row.split()[1:6] == ["True", "3", "0.25", "0.5", "Running"]
     assert kubectl(apiserver, "get", "rlj", "-n", "default").returncode == 0
     assert running in kubectl(apiserver, "get", "hybridflow", "-n", "default", "-o", "name").stdout

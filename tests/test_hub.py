@@ -29,7 +29,8 @@ import pytest
 import yaml
 
 from hybridflow.api import SpecError, parse_job
-from hybridflow.data.prompts import DataError, load_rows
+from hybridflow.data import DataError
+from hybridflow.data.prompts import load_rows
 from hybridflow.hub import (
     HubError,
     HubRef,
@@ -314,7 +315,7 @@ def test_hub_datasets_load_by_config_split_and_revision(offline: Hub) -> None:
 ])
 def test_a_dataset_that_cannot_load_names_its_field(offline: Hub, source: str, says: str) -> None:
     with pytest.raises(DataError) as e:
-        load_rows(source, "question", "solution", field="spec.data.val")
+        load_rows(source, "question", "solution", split="val")
     assert str(e.value).startswith(says), str(e.value)
 
 

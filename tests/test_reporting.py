@@ -18,6 +18,15 @@ def test_patch_touches_only_progress_in_camel_case() -> None:
     assert RLTrainingJobStatus.model_validate(body["status"]).progress.step == 3
 
 
+def test_the_val_reward_of_the_last_evaluation_is_reported_as_val_reward_mean() -> None:
+    body = progress_patch(8, 10, {"reward_mean": 0.5, "val/reward_mean": 0.75, "val/samples": 200.0}, None,
+                          now=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC))
+    progress = body["status"]["progress"]
+    assert progress["valRewardMean"] == 0.75 and progress["rewardMean"] == 0.5
+    assert RLTrainingJobStatus.model_validate(body["status"]).progress.val_reward_mean == 0.75
+    assert "valRewardMean" not in progress_patch(9, 10, {"reward_mean": 0.5}, None)["status"]["progress"]
+
+
 def test_reports_are_throttled_but_the_last_one_is_forced() -> None:
     sent = []
     r = ProgressReporter("job", "ns", lambda ns, name, body: sent.append((ns, name, body)), interval_s=3600)

@@ -346,7 +346,8 @@ def test_the_trainer_sends_every_step_to_the_trackers(example_doc, tmp_path, mlf
         for name in ("rollout/reward_mean", "actor/kl", "actor/pg_loss", "perf/tokens_per_s", "timing/generate"):
             key = next(k for k in records[0] if tracker_name(k) == name)
             assert held[name] == pytest.approx({r["step"]: r[key] for r in records}, rel=1e-6), name
-    assert set(from_mlflow) == {tracker_name(k) for k in records[0] if k != "step"}
+    assert set(from_mlflow) == {tracker_name(k) for r in records for k in r if k != "step"}
+    assert "val/reward_mean" in from_mlflow  # the example evaluates after its last step
 
 
 def test_the_readme_example_parses() -> None:

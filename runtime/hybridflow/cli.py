@@ -146,10 +146,13 @@ def _summarise(result: dict[str, Any], metrics_out: str | None, seconds: float) 
     first, last = recs[0], recs[-1]
     window = recs[-5:]
     end_reward = sum(r["reward_mean"] for r in window) / len(window)
+    val = [r["val/reward_mean"] for r in recs if "val/reward_mean" in r]
     print(json.dumps({
         "steps": result["steps"], "wall_s": round(seconds, 1),
         "reward_start": round(first["reward_mean"], 4), "reward_end": round(end_reward, 4),
-        "reward_last": round(last["reward_mean"], 4), "metrics": metrics_out, "plot": result["plot"],
+        "reward_last": round(last["reward_mean"], 4),
+        **({"val_reward_first": round(val[0], 4), "val_reward_last": round(val[-1], 4)} if val else {}),
+        "metrics": metrics_out, "plot": result["plot"],
         "report": result.get("report"),
         "recoveries": result["recoveries"],
     }))

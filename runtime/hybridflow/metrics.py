@@ -1,13 +1,19 @@
-"""Per-step metrics as JSONL, and a PNG of the curves next to the file."""
+"""Per-step metrics as JSONL, and a PNG of the curves (training and validation) next to the file."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-PLOTTED = ("reward_mean", "kl", "actor_loss", "critic_loss", "entropy", "response_length", "tokens_per_s")
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+PLOTTED = ("reward_mean", "kl", "actor_loss", "critic_loss", "entropy", "response_length", "tokens_per_s",
+           "val/accuracy", "val/pass_rate")
+OVERLAID = {"reward_mean": "val/reward_mean", "response_length": "val/response_length_mean"}
+"""The val/ metric drawn on the panel of each training metric (hybridflow.evaluation)."""
 
 
 class MetricsLog:
@@ -56,34 +62,70 @@ def parse_records(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
-def plot_metrics(records: list[dict[str, Any]], out: str | Path, title: str = "") -> Path | None:
-    """One panel per metric against step; returns the PNG path."""
-    if not records:
-        return None
+Series = dict[str, list[tuple[int, float]]]
+"""A panel's curves: label -> (step, value) points."""
+
+
+def panels(records: list[dict[str, Any]]) -> list[tuple[str, Series]]:
+    """The plot's panels in PLOTTED order: (title, series) for each metric with a finite value.
+
+    A val/ metric of OVERLAID is drawn as a second curve (`val`) on its training metric's panel (`train`),
+    with a point at each evaluated step.
+    """
+    out: list[tuple[str, Series]] = []
+    for key in PLOTTED:
+        series = {label: pts for label, k in (("train", key), ("val", OVERLAID.get(key)))
+                  if k is not None and (pts := _points(records, k))}
+        if not series:
+            continue
+        if len(series) == 1:
+            series = {key: next(iter(series.values()))}
+        out.append((key, series))
+    return out
+
+
+def metrics_figure(records: list[dict[str, Any]], title: str = "") -> Figure:
+    """One panel per metric against step (see `panels`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in PLOTTED if any(_finite(r.get(k)) for r in records)]
+    shown = panels(records)
     cols = 3
-    rows = max(1, math.ceil(len(keys) / cols))
+    rows = max(1, math.ceil(len(shown) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
-    for ax, key in zip(axes.flat, keys, strict=False):
-        pts = [(r["step"], r[key]) for r in records if _finite(r.get(key))]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 60 else None)
+    for ax, (key, series) in zip(axes.flat, shown, strict=False):
+        for label, pts in series.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 60 else None, label=label)
+        if len(series) > 1:
+            ax.legend(fontsize="small")
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(shown):]:
         ax.set_visible(False)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_metrics(records: list[dict[str, Any]], out: str | Path, title: str = "") -> Path | None:
+    """The PNG of `metrics_figure`; returns its path (None without records)."""
+    if not records:
+        return None
+    import matplotlib.pyplot as plt
+
+    fig = metrics_figure(records, title)
     out = Path(out)
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+def _points(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in records if _finite(r.get(key))]
 
 
 def _finite(v: Any) -> bool:

@@ -7,7 +7,7 @@ before the workers load them (hybridflow.hub)."""
 from __future__ import annotations
 
 from hybridflow.api.spec import RLTrainingJobSpec
-from hybridflow.data.prompts import DataError, load_rows
+from hybridflow.data.prompts import DataError, load_prompts
 from hybridflow.plan import graph_problems
 from hybridflow.trackers import missing_extras
 from hybridflow.workers.modeling import ModelPathError, check_model_dir
@@ -27,9 +27,9 @@ def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
             resolve_reward_function(spec.reward.function)
         except RewardFunctionError as e:
             problems.append(str(e))
-    for field, source in spec.data_sources():
+    for split in ("train", "val"):
         try:
-            load_rows(source, spec.data.prompt_key, spec.data.answer_key, spec.trainer.seed, field)
+            load_prompts(spec, split)
         except DataError as e:
             problems.append(str(e))
     problems += graph_problems(spec, "GPU" if accelerator == "GPU" else "CPU")

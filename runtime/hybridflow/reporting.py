@@ -22,7 +22,8 @@ def progress_patch(step: int, total_steps: int, metrics: dict[str, Any], last_ch
     """The merge patch for the status subresource: only `progress`, so conditions stay the operator's."""
     progress = Progress(
         step=step, total_steps=total_steps, reward_mean=metrics.get("reward_mean"), kl=metrics.get("kl"),
-        tokens_per_second=metrics.get("tokens_per_s"), last_checkpoint=last_checkpoint,
+        tokens_per_second=metrics.get("tokens_per_s"), val_reward_mean=metrics.get("val/reward_mean"),
+        last_checkpoint=last_checkpoint,
         updated_at=contract.timestamp(now),
     )
     return {"status": {"progress": progress.model_dump(by_alias=True, exclude_none=True)}}

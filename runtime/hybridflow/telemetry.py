@@ -67,6 +67,7 @@ class _Metrics:
     step_seconds: Histogram
     tokens_per_second: Gauge
     reward_mean: Gauge
+    val_reward_mean: Gauge
     kl: Gauge
     policy_lag: Gauge
     edge_latency: Histogram
@@ -97,6 +98,8 @@ def _metrics() -> _Metrics:
         tokens_per_second=Gauge(f"{PREFIX}tokens_per_second", "Response tokens generated per second of step time.",
                                 job),
         reward_mean=Gauge(f"{PREFIX}reward_mean", "Mean reward of the last step's rollouts.", job),
+        val_reward_mean=Gauge(f"{PREFIX}val_reward_mean", "Mean reward on spec.data.val at the last evaluation.",
+                              job),
         kl=Gauge(f"{PREFIX}kl", "KL divergence of the policy from the reference on the last step's rollouts.", job),
         policy_lag=Gauge(
             f"{PREFIX}policy_version_lag",
@@ -159,6 +162,8 @@ class StepExporter:
                 m.phase_seconds.inc(seconds, {**job, "phase": phase})
         keep.set(m.tokens_per_second, record["tokens_per_s"], job)
         keep.set(m.reward_mean, record["reward_mean"], job)
+        if "val/reward_mean" in record:
+            keep.set(m.val_reward_mean, record["val/reward_mean"], job)
         keep.set(m.kl, record.get("kl", 0.0), job)
         keep.set(m.policy_lag, self._lag(int(record["policy_version"])), job)
         for node in scheduler.graph.nodes:

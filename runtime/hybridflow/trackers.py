@@ -116,7 +116,7 @@ class ConsoleTracker:
         elif step < self.bar.n:
             self.bar.reset(total=self.bar.total)
             self.bar.update(step)
-        shown = {"reward": "rollout/reward_mean", "kl": "actor/kl"}
+        shown = {"reward": "rollout/reward_mean", "kl": "actor/kl", "val": "val/reward_mean"}
         post = {label: f"{metrics[name]:.3f}" for label, name in shown.items() if name in metrics}
         if post:
             self.bar.set_postfix(post, refresh=False)

@@ -23,7 +23,8 @@ from hybridflow.control import store
 from hybridflow.control.names import job_ref
 from hybridflow.control.steering import Steering
 from hybridflow.dashboard import report_path, write_report
-from hybridflow.data.prompts import PromptSampler, load_rows
+from hybridflow.data.prompts import PromptSampler, load_prompts, repeat_samples
+from hybridflow.evaluation import eval_due, eval_seed, last_val_reward, val_metrics
 from hybridflow.metrics import MetricsLog, plot_metrics
 from hybridflow.plan import sequences_per_step, step_plan, trainable_graph
 from hybridflow.reporting import ProgressReporter
@@ -84,8 +85,9 @@ class Trainer:
         self.actor = self.groups[self.plan.actor.name]
         self.critic = self.groups[self.plan.critic.name] if self.plan.critic is not None else None
         self.trained = [self.groups[n.name] for n in self.plan.trained]
-        rows = load_rows(self.spec.data.train, self.spec.data.prompt_key, self.spec.data.answer_key, t.seed)
-        self.sampler = PromptSampler(rows, self.spec.data.batch_size, t.seed, self.spec.data.shuffle)
+        self.sampler = PromptSampler(load_prompts(self.spec, "train"), self.spec.data.batch_size, t.seed,
+                                     self.spec.data.shuffle)
+        self.val_rows = load_prompts(self.spec, "val")
         kl = self.spec.algorithm.kl_penalty
         self.kl_ctl = (algos.AdaptiveKLController(kl.coef, kl.target_kl, kl.horizon) if kl.adaptive
                        else algos.FixedKLController(kl.coef))
@@ -100,6 +102,8 @@ class Trainer:
         self.owner: str | None = None
         """This controller's claim on the checkpoint directory (checkpoint.claim), when checkpoints are on."""
         self.latest: dict[str, Any] = {}
+        self.last_val: dict[str, float] = {}
+        """val/reward_mean of the last evaluation, carried into progress until the next one."""
         self.started = False
         self.recoveries = 0
         self._host_counts: dict[str, int] = {}
@@ -219,6 +223,8 @@ class Trainer:
             self.steering.serve()
             try:
                 record = self.train_step(self.step + 1)
+                if self.val_rows and eval_due(record["step"], total, self.spec.trainer.eval_every):
+                    record |= self.evaluate(record["step"])
             except WORKER_LOST as e:
                 self._recover(e)
                 continue
@@ -230,7 +236,8 @@ class Trainer:
                 self._recover(e)
                 continue
             self.step = record["step"]
-            self.latest = {k: record[k] for k in ("reward_mean", "kl", "tokens_per_s") if k in record}
+            self.last_val = last_val_reward([record]) or self.last_val
+            self.latest = {k: record[k] for k in ("reward_mean", "kl", "tokens_per_s") if k in record} | self.last_val
             self.head.check()
             self._check_owner()
             self.metrics.write(record)
@@ -239,17 +246,17 @@ class Trainer:
             self._maybe_sample_memory()
             self._maybe_checkpoint()
             if self.reporter:
-                self.reporter.report(self.step, total, record, self.last_checkpoint, force=self.step == total)
+                self.reporter.report(self.step, total, self.last_val | record, self.last_checkpoint,
+                                     force=self.step == total)
 
     # -- one step ---------------------------------------------------------------------------------
 
     def _prompts(self) -> tuple[list[dict[str, str]], list[int]]:
-        rows = self.sampler.next_batch()
-        n = self.spec.rollout.samples_per_prompt
-        return [r for r in rows for _ in range(n)], [i for i in range(len(rows)) for _ in range(n)]
+        return repeat_samples(self.sampler.next_batch(), self.spec.rollout.samples_per_prompt)
 
-    def _chunks(self, size: int) -> list[tuple[int, int]]:
-        per = self.spec.scheduling.micro_batch_size or math.ceil(size / len(self.actor))
+    def _chunks(self, size: int, spread: int | None = None) -> list[tuple[int, int]]:
+        """[a, b) ranges of micro_batch_size rows, else of an equal share of `spread` (default: all) per actor host."""
+        per = self.spec.scheduling.micro_batch_size or math.ceil((spread or size) / len(self.actor))
         return [(a, min(a + per, size)) for a in range(0, size, per)]
 
     def train_step(self, step: int) -> dict[str, Any]:
@@ -297,6 +304,27 @@ class Trainer:
                 parts[i].add_timing(res.step, res.seconds)
                 _add_busy(busy, r.node.name, res.seconds)
         return RolloutBatch.concat(parts), max(busy.values())
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The val/ metrics of the policy after `step` updates: spec.data.val answered with spec.trainer.eval's
+        sampling and scored by the reward alone (no critic, no update), in chunks no larger than a training
+        step gives each actor host, dealt over those hosts."""
+        t0 = time.perf_counter()
+        rows, prompt_ids = repeat_samples(self.val_rows, self.spec.trainer.eval.samples_per_prompt)
+        local = "reward" in self.plan.colocated
+        chunks = self._chunks(len(rows), min(len(rows), sequences_per_step(self.spec)))
+        seed = self.spec.trainer.seed
+        dealt = self.actor.deal("evaluate", [(rows[a:b], prompt_ids[a:b], local, eval_seed(seed, step, i))
+                                             for i, (a, b) in enumerate(chunks)])
+        refs = [ref for _, ref in dealt]
+        remote = [] if local else [self.groups[r.node.name].next("run", ref, "reward")
+                                   for ref in refs for r in self.plan.remote if r.step.name == "reward"]
+        parts: list[RolloutBatch] = ray.get(refs)
+        results: list[RolloutBatch] | list[PhaseResult] = parts if local else ray.get(remote)
+        scores = torch.cat([res.tensors["scores"] for res in results])
+        lengths = torch.cat([part.response_mask.sum(-1) for part in parts])
+        metrics = val_metrics(scores.tolist(), lengths.tolist(), prompt_ids, self.spec.reward.type == "function")
+        return metrics | {"timing/eval": time.perf_counter() - t0}
 
     def values_phase(self, batch: RolloutBatch) -> float:
         """Critic values, data-parallel over the critic's ranks; returns the slowest rank's compute."""
@@ -401,6 +429,7 @@ class Trainer:
         self.step = int(state["step"])
         self.last_checkpoint = str(path)
         self.metrics.truncate_after(self.step)
+        self.last_val = last_val_reward(self.metrics.read())
         return True
 
     def _recover(self, error: Exception) -> None:
@@ -418,6 +447,7 @@ class Trainer:
             self.sampler.load_state_dict({"epoch": 0, "position": 0})
             self.kl_ctl.load_state_dict({"value": self.spec.algorithm.kl_penalty.coef})
             self.metrics.reset()
+            self.last_val = {}
 
 
 def _add_busy(busy: dict[str, float], key: str, seconds: float) -> None:

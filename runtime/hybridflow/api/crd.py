@@ -65,6 +65,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Succeeded", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Succeeded")].status'},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
     {"name": "Reward", "type": "number", "jsonPath": ".status.progress.rewardMean"},
+    {"name": "Val-Reward", "type": "number", "jsonPath": ".status.progress.valRewardMean", "priority": 1},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
     {"name": "Algorithm", "type": "string", "jsonPath": ".spec.algorithm.name", "priority": 1},
     {"name": "GPU", "type": "string", "jsonPath": ".spec.cluster.gpuType", "priority": 1},

@@ -149,18 +149,18 @@ def _hub_name_schema(kind: RepoType) -> dict[str, Any]:
     return _rules(_cel(rule, message))
 
 
-ModelPath = Annotated[str, AfterValidator(_hub_name_check("model")),
-                      Field(max_length=MAX_PATH_LENGTH, json_schema_extra=_hub_name_schema("model"))]
+ModelPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH_LENGTH, json_schema_extra=_hub_name_schema("model")),
+                      AfterValidator(_hub_name_check("model"))]
 """A model path: a directory, builtin:tiny, or a Hub model name."""
-DataPath = Annotated[str, AfterValidator(_hub_name_check("dataset")),
-                     Field(max_length=MAX_PATH_LENGTH, json_schema_extra=_hub_name_schema("dataset"))]
+DataPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH_LENGTH, json_schema_extra=_hub_name_schema("dataset")),
+                     AfterValidator(_hub_name_check("dataset"))]
 """A data source: a builtin, a file, or a Hub dataset name."""
 
 
 class ModelRef(ApiModel):
     """A causal LM: a local directory (a PVC mount path), `builtin:tiny`, or a Hugging Face Hub name."""
 
-    path: ModelPath = Field("builtin:tiny", min_length=1)
+    path: ModelPath = "builtin:tiny"
     """A directory, `builtin:tiny`, or a Hub model: `Org/Name` or `hf://Org/Name@revision` (branch, tag or
     commit), fetched once into $HF_HOME/hub before the workers start."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -186,7 +186,7 @@ class Models(ApiModel):
 
 
 class RewardModelRef(ApiModel):
-    path: ModelPath = Field(min_length=1)
+    path: ModelPath
     """A sequence-classification model (num_labels=1): a directory or a Hub name, as model.policy.path."""
 
 
@@ -213,10 +213,20 @@ class Reward(ApiModel):
         return self
 
 
+PromptFormat = Literal["auto", "chat", "raw"]
+
+
 class Data(ApiModel):
-    train: DataPath = Field("builtin:tiny_task", min_length=1)
+    train: DataPath = "builtin:tiny_task"
     """`builtin:tiny_task`, a .parquet/.jsonl file (local path or PVC mount), or a Hub dataset:
     `hf://datasets/Org/Name[@revision][/config][?split=name]` (split defaults to train)."""
+    val: DataPath | None = None
+    """Held-out prompts to evaluate on, the same kinds as train (`builtin:tiny_task` draws prompts of its own);
+    null: no evaluation. When and how: spec.trainer.evalEvery and spec.trainer.eval."""
+    prompt_format: PromptFormat = "auto"
+    """How a prompt becomes the text the policy sees. `auto`: a list of {role, content} messages goes through
+    the policy tokenizer's chat template (with the generation prompt), a string is used as it is; `chat`: a
+    string too, as one user message; `raw`: never the template, the messages' contents joined by newlines."""
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     """Column passed to the reward function as the ground truth."""
@@ -291,6 +301,38 @@ class Loggers(ApiModel):
         return backends
 
 
+_GREEDY_IS_ONE_ANSWER = ("eval.temperature and eval.samplesPerPrompt above 1 need eval.greedy false"
+                         " (greedy decoding gives one response, the same every time)")
+
+
+class Evaluation(ApiModel):
+    """How the prompts of spec.data.val are answered: no training, no critic, the reward function alone."""
+
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel(
+                "(has(self.greedy) && !self.greedy)"
+                " || (!has(self.temperature) && (!has(self.samplesPerPrompt) || self.samplesPerPrompt == 1))",
+                _GREEDY_IS_ONE_ANSWER,
+                ".greedy",
+            )
+        )
+    )
+
+    greedy: bool = True
+    """Argmax decoding: one response per prompt, deterministic, so runs compare; false samples instead."""
+    temperature: float | None = Field(None, gt=0.0, le=10.0)
+    """Sampling temperature when greedy is false; null takes spec.rollout.temperature (topP is the rollout's)."""
+    samples_per_prompt: int = Field(1, ge=1, le=64)
+    """Responses per val prompt when greedy is false."""
+
+    @model_validator(mode="after")
+    def _greedy_is_one_answer(self) -> Evaluation:
+        if self.greedy and (self.temperature is not None or self.samples_per_prompt > 1):
+            raise ValueError(_GREEDY_IS_ONE_ANSWER)
+        return self
+
+
 class Trainer(ApiModel):
     total_steps: int = Field(20, ge=1, le=10_000_000)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
@@ -303,6 +345,11 @@ class Trainer(ApiModel):
     """Ray restarts a dead worker or controller up to this many times."""
     loggers: Loggers = Field(default_factory=Loggers)
     """Console, metrics file and experiment trackers."""
+    eval_every: int = Field(0, ge=0, le=10_000_000)
+    """Evaluate on spec.data.val after every N steps and after the last one; 0: after the last step only.
+    The val/ metrics join the record of the step after whose update they were measured."""
+    eval: Evaluation = Field(default_factory=Evaluation)
+    """Sampling of the evaluation (greedy by default)."""
 
 
 class GraphNode(ApiModel):
@@ -538,6 +585,10 @@ class RunPolicy(ApiModel):
     ttl_seconds_after_finished: int = Field(3600, ge=0)
 
 
+_EVAL_WITHOUT_VAL = ("trainer.evalEvery needs data.val, the prompts to evaluate on"
+                     " (set data.val, or evalEvery to 0)")
+
+
 class RLTrainingJobSpec(ApiModel):
     model_config = ApiModel.model_config | ConfigDict(
         json_schema_extra=_rules(
@@ -575,6 +626,12 @@ class RLTrainingJobSpec(ApiModel):
                 ".graph.nodes",
             ),
             _cel(
+                "!has(self.trainer) || !has(self.trainer.evalEvery) || self.trainer.evalEvery == 0"
+                " || (has(self.data) && has(self.data.val))",
+                _EVAL_WITHOUT_VAL,
+                ".trainer.evalEvery",
+            ),
+            _cel(
                 "has(self.graph) == has(oldSelf.graph) && (!has(self.graph) || self.graph == oldSelf.graph)",
                 "spec.graph is immutable once the job has been created; delete and recreate the job",
                 ".graph",
@@ -607,7 +664,7 @@ class RLTrainingJobSpec(ApiModel):
 
     def data_sources(self) -> list[tuple[str, str]]:
         """(field, source) of every dataset the job reads."""
-        return [("spec.data.train", self.data.train)]
+        return [("spec.data.train", self.data.train)] + ([("spec.data.val", self.data.val)] if self.data.val else [])
 
     @model_validator(mode="after")
     def _cross_field(self) -> RLTrainingJobSpec:
@@ -619,6 +676,8 @@ class RLTrainingJobSpec(ApiModel):
             raise ValueError(
                 f"algorithm.miniBatchSize ({mbs}) must be at most data.batchSize * rollout.samplesPerPrompt ({total})"
             )
+        if self.trainer.eval_every and self.data.val is None:
+            raise ValueError(_EVAL_WITHOUT_VAL)
         return self
 
 

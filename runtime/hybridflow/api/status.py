@@ -29,6 +29,8 @@ class Progress(ApiModel):
     reward_mean: float | None = None
     kl: float | None = None
     tokens_per_second: float | None = None
+    val_reward_mean: float | None = None
+    """Mean reward on spec.data.val at the last evaluation."""
     last_checkpoint: str | None = None
     updated_at: str | None = None
 

@@ -4,50 +4,90 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from hybridflow.api.spec import PromptFormat, RLTrainingJobSpec
+from hybridflow.data import DataError
+from hybridflow.data.chat import ChatTemplate, PromptRenderer
 from hybridflow.data.tiny import TINY_TASK, tiny_task_rows
 from hybridflow.hub import SCHEME
 
+__all__ = ["DataError", "PromptSampler", "load_prompts", "load_rows", "repeat_samples"]
+
 TINY_TASK_SIZE = 1000
+TINY_VAL_SIZE = 200
+"""Prompts of `builtin:tiny_task` as spec.data.val: a draw of their own (there are only 1000 distinct prompts,
+so some also occur in training; the task is to learn the rule, which either set measures)."""
+Split = Literal["train", "val"]
 
 
-class DataError(ValueError):
-    """A data source that cannot be read; the message names its spec field (spec.data.train)."""
-
-
-def load_rows(source: str, prompt_key: str, answer_key: str, seed: int = 0,
-              field: str = "spec.data.train") -> list[dict[str, str]]:
+def load_rows(source: str, prompt_key: str, answer_key: str, seed: int = 0, split: Split = "train",
+              prompt_format: PromptFormat = "raw", template: Callable[[], ChatTemplate] | None = None,
+              ) -> list[dict[str, str]]:
     """Rows with `prompt` and `answer` (answer may be empty) from a builtin, a .parquet or .jsonl file, or a Hub
-    dataset (hf://datasets/...); `field` is the spec field that names `source`, for the messages."""
+    dataset (hf://datasets/...).
+
+    Problems name spec.data.<split>; `prompt_format` and `template` render chat prompts (see data.chat).
+    """
+    where = f"spec.data.{split}"
     if source == TINY_TASK:
-        return tiny_task_rows(TINY_TASK_SIZE, seed)
+        records: list[dict[str, Any]] = (tiny_task_rows(TINY_TASK_SIZE, seed) if split == "train"
+                                         else tiny_task_rows(TINY_VAL_SIZE, seed, stream=split))
+        prompt_key, answer_key = "prompt", "answer"
+    else:
+        records = _read_records(source, where)
+        if prompt_key not in records[0]:
+            raise DataError(f"spec.data.promptKey: column {prompt_key!r} not in {source} (has {sorted(records[0])})")
+    render = PromptRenderer(prompt_format, template)
+    return [{**render(r[prompt_key]), "answer": str(r.get(answer_key, "") or "")} for r in records]
+
+
+def load_prompts(spec: RLTrainingJobSpec, split: Split) -> list[dict[str, str]]:
+    """The rows of spec.data.train or spec.data.val, in spec.data.promptFormat with the policy's chat template."""
+    source = spec.data.train if split == "train" else spec.data.val
+    if source is None:
+        return []
+    return load_rows(source, spec.data.prompt_key, spec.data.answer_key, spec.trainer.seed, split,
+                     spec.data.prompt_format, lambda: ChatTemplate.of_model(spec.model.policy.path))
+
+
+def repeat_samples(rows: list[dict[str, str]], n: int) -> tuple[list[dict[str, str]], list[int]]:
+    """Each row n times in a row, and the index of its prompt (the group id of its samples)."""
+    return [r for r in rows for _ in range(n)], [i for i in range(len(rows)) for _ in range(n)]
+
+
+def _read_records(source: str, where: str) -> list[dict[str, Any]]:
     if source.startswith("builtin:"):
-        raise DataError(f"{field}: unknown built-in dataset {source!r}, allowed: {TINY_TASK}")
-    records = _hub_records(source, field) if source.startswith(SCHEME) else _file_records(source, field)
+        raise DataError(f"{where}: unknown built-in dataset {source!r}, allowed: {TINY_TASK}")
+    records = _hub_records(source, where) if source.startswith(SCHEME) else _file_records(source, where)
     if not records:
-        raise DataError(f"{field}: {source} has no rows")
-    if prompt_key not in records[0]:
-        raise DataError(f"spec.data.promptKey: column {prompt_key!r} not in {source} (has {sorted(records[0])})")
-    return [{"prompt": _as_text(r[prompt_key]), "answer": str(r.get(answer_key, "") or "")} for r in records]
+        raise DataError(f"{where}: {source} has no rows")
+    return records
 
 
-def _file_records(source: str, field: str) -> list[dict[str, Any]]:
+def _file_records(source: str, where: str) -> list[dict[str, Any]]:
     path = Path(source)
     if not path.is_file():
-        raise DataError(f"{field}: file not found: {source}")
+        raise DataError(f"{where}: file not found: {source}")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
     if path.suffix in (".jsonl", ".json"):
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    raise DataError(f"{field}: unsupported file type {path.suffix!r}, allowed: .parquet, .jsonl, hf://datasets/...")
+        records: list[dict[str, Any]] = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                records += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: {source} is not JSON lines: line {number}: {e.msg}") from None
+        return records
+    raise DataError(f"{where}: unsupported file type {path.suffix!r}, allowed: .parquet, .jsonl, hf://datasets/...")
 
 
-def _hub_records(source: str, field: str) -> list[dict[str, Any]]:
+def _hub_records(source: str, where: str) -> list[dict[str, Any]]:
     """The split of a Hub dataset, read by the datasets library from its snapshot in the Hub cache.
 
     The snapshot (hybridflow.hub) is what makes a revision pin and HF_HUB_OFFLINE work: the datasets library
@@ -58,28 +98,21 @@ def _hub_records(source: str, field: str) -> list[dict[str, Any]]:
     try:
         ref = parse_hub_ref(source, "dataset")
         assert ref is not None
-        path = snapshot(ref, field)
+        path = snapshot(ref, where)
     except HubRefError as e:
-        raise DataError(f"{field}: {e}") from None
+        raise DataError(f"{where}: {e}") from None
     except HubError as e:
         raise DataError(str(e)) from None
     try:
         import datasets
     except ImportError:
-        raise DataError(f"{field}: Hub datasets need the datasets package: pip install 'hybridflow[runtime]'") from None
+        raise DataError(f"{where}: Hub datasets need the datasets package: pip install 'hybridflow[runtime]'") from None
     datasets.disable_progress_bars()
     try:
         rows = datasets.load_dataset(str(path), ref.config, split=ref.split, cache_dir=str(datasets_cache()))
     except (ValueError, OSError) as e:  # an unknown config or split, no data files
-        raise DataError(f"{field}: {ref.uri}: {str(e).strip().splitlines()[0]}") from None
+        raise DataError(f"{where}: {ref.uri}: {str(e).strip().splitlines()[0]}") from None
     return rows.to_list()
-
-
-def _as_text(value: object) -> str:
-    """Chat-style prompts (a list of {role, content}) are joined; plain strings pass through."""
-    if isinstance(value, list):
-        return "\n".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in value)
-    return str(value)
 
 
 @dataclass

@@ -50,9 +50,9 @@ def tiny_task_reward(prompt: str, response: str, answer: str | None = None) -> f
     return sum(t == target for t in tokens) / SCORED_TOKENS
 
 
-def tiny_task_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
-    """n prompts of PROMPT_DIGITS random digits."""
-    rng = random.Random(seed)
+def tiny_task_rows(n: int, seed: int = 0, stream: str = "train") -> list[dict[str, str]]:
+    """n prompts of PROMPT_DIGITS random digits; each stream (train, val) draws its own."""
+    rng = random.Random(seed if stream == "train" else f"{stream}:{seed}")
     rows = []
     for _ in range(n):
         digits = [rng.choice(DIGITS) for _ in range(PROMPT_DIGITS)]

@@ -17,7 +17,7 @@ from hybridflow.workers.modeling import (
     response_log_probs,
 )
 from hybridflow.workers.optim import train_epochs
-from hybridflow.workers.rollout import make_rollout
+from hybridflow.workers.rollout import Sampling, make_rollout
 
 
 def optimizer_steps(spec: RLTrainingJobSpec) -> int:
@@ -43,11 +43,17 @@ class ActorRolloutWorker:
             spec.rollout.engine, self.model, self.path, self.tokenizer, spec.rollout,
             spec.data.max_prompt_length, spec.data.max_response_length, device, spec.model.policy.dtype, seed,
         )
+        self.eval_sampling = Sampling.for_eval(spec.trainer.eval, spec.rollout)
         self.version = 0
         self.shuffle = torch.Generator().manual_seed(seed)
 
     def generate(self, rows: list[dict[str, str]], group_ids: list[int]) -> RolloutBatch:
         return self.rollout.generate(rows, group_ids, self.version)
+
+    def evaluate(self, rows: list[dict[str, str]], group_ids: list[int], seed: int) -> RolloutBatch:
+        """Responses to val prompts with spec.trainer.eval's sampling; the weights, the version and the
+        process's random state stay as they were, so training goes on as if nothing had run."""
+        return self.rollout.generate(rows, group_ids, self.version, self.eval_sampling, seed)
 
     @torch.no_grad()
     def old_log_probs(self, batch: RolloutBatch) -> RolloutBatch:

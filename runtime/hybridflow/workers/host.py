@@ -93,6 +93,13 @@ class WorkerHost:
             self._apply(step, batch)
         return batch
 
+    def evaluate(self, rows: list[dict[str, str]], group_ids: list[int], score: bool, seed: int) -> RolloutBatch:
+        """Answer val prompts (see ActorRolloutWorker.evaluate), scored here when the reward shares this process."""
+        batch = self.workers["actor_rollout"].evaluate(rows, group_ids, seed)
+        if score:
+            self._apply("reward", batch)
+        return batch
+
     def run(self, batch: RolloutBatch, step: str) -> PhaseResult:
         """A step for a batch that arrived through the object store; only the new tensors go back."""
         before = set(batch.tensors)

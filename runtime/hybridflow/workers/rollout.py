@@ -2,19 +2,76 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Protocol
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from hybridflow.api.spec import Rollout
+from hybridflow.api.spec import Evaluation, Rollout
+from hybridflow.data.chat import CHAT, FORMAT_KEY
 from hybridflow.workers.batch import RolloutBatch
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How responses are drawn: temperature 0 is greedy (argmax) decoding."""
+
+    temperature: float
+    top_p: float = 1.0
+
+    @staticmethod
+    def of(cfg: Rollout) -> Sampling:
+        return Sampling(cfg.temperature, cfg.top_p)
+
+    @staticmethod
+    def for_eval(ev: Evaluation, cfg: Rollout) -> Sampling:
+        """Greedy, or eval.temperature (else the rollout's) with the rollout's topP."""
+        if ev.greedy:
+            return Sampling(0.0)
+        return Sampling(ev.temperature if ev.temperature is not None else cfg.temperature, cfg.top_p)
+
+
 class RolloutBackend(Protocol):
-    def generate(self, rows: list[dict[str, str]], group_ids: list[int], policy_version: int) -> RolloutBatch: ...
+    def generate(self, rows: list[dict[str, str]], group_ids: list[int], policy_version: int,
+                 sampling: Sampling | None = None, seed: int | None = None) -> RolloutBatch:
+        """`sampling` overrides the rollout's settings; `seed` draws from a generator of its own, leaving the
+        process's random state as it was (an evaluation must not change what training samples next)."""
+        ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+
+def encode_prompts(tokenizer: Any, rows: list[dict[str, str]], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt ids left-padded to the longest, and their mask.
+
+    A prompt the chat template rendered already holds its special tokens, so it is tokenized without the
+    tokenizer's own (no second BOS): its ids are apply_chat_template's. Plain prompts get them as always.
+    """
+    chat = [r.get(FORMAT_KEY) == CHAT for r in rows]
+    ids: list[list[int]] = [[] for _ in rows]
+    for templated in (False, True):
+        where = [i for i, c in enumerate(chat) if c == templated]
+        if where:
+            enc = tokenizer([rows[i]["prompt"] for i in where], add_special_tokens=not templated, truncation=True,
+                            max_length=max_length)
+            for i, seq in zip(where, enc["input_ids"], strict=True):
+                ids[i] = list(seq)
+    return left_pad(ids, tokenizer.pad_token_id)
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, max len] ids with pad_id on the left, and the mask that is 1 on the tokens."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        if seq:
+            ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+            mask[i, width - len(seq):] = 1
+    return ids, mask
 
 
 def response_mask_from(responses: torch.Tensor, eos_id: int | None, pad_id: int) -> torch.Tensor:
@@ -47,6 +104,18 @@ def assemble_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response
     )
 
 
+@contextlib.contextmanager
+def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Draw from torch's generators seeded with `seed`, then restore their states; nothing when seed is None."""
+    if seed is None:
+        yield
+        return
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 class TorchRollout:
     """HF generate on the policy module itself: the update is visible at once, no weight copy needed."""
 
@@ -56,24 +125,25 @@ class TorchRollout:
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
 
     def encode(self, rows: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-        enc = self.tok([r["prompt"] for r in rows], return_tensors="pt", padding=True, truncation=True,
-                       max_length=self.max_prompt_length)
-        return enc["input_ids"], enc["attention_mask"]
+        return encode_prompts(self.tok, rows, self.max_prompt_length)
 
     @torch.no_grad()
-    def generate(self, rows: list[dict[str, str]], group_ids: list[int], policy_version: int) -> RolloutBatch:
+    def generate(self, rows: list[dict[str, str]], group_ids: list[int], policy_version: int,
+                 sampling: Sampling | None = None, seed: int | None = None) -> RolloutBatch:
         t0 = time.perf_counter()
+        how = sampling or Sampling.of(self.cfg)
         ids, mask = self.encode(rows)
         was_training = self.model.training
         self.model.eval()
-        sample = self.cfg.temperature > 0
-        out = self.model.generate(  # type: ignore[operator]  # HF's GenerationMixin, unknown to nn.Module
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-            max_new_tokens=self.max_response_length, do_sample=sample,
-            temperature=self.cfg.temperature if sample else None, top_p=self.cfg.top_p if sample else None,
-            top_k=0 if sample else None,
-            pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id, use_cache=True,
-        )
+        sample = how.temperature > 0
+        with seeded(seed, self.device):
+            out = self.model.generate(  # type: ignore[operator]  # HF's GenerationMixin, unknown to nn.Module
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                max_new_tokens=self.max_response_length, do_sample=sample,
+                temperature=how.temperature if sample else None, top_p=how.top_p if sample else None,
+                top_k=0 if sample else None,
+                pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id, use_cache=True,
+            )
         self.model.train(was_training)
         resp = out[:, ids.shape[1]:].cpu()
         if resp.shape[1] < self.max_response_length:
@@ -94,7 +164,7 @@ class VllmRollout:
 
     def __init__(self, model_path: str, tokenizer, cfg: Rollout, max_prompt_length: int, max_response_length: int,
                  dtype: str, seed: int) -> None:
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
 
         self.tok, self.cfg = tokenizer, cfg
         self.max_prompt_length = max_prompt_length
@@ -103,27 +173,38 @@ class VllmRollout:
             gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=dtype, seed=seed,
             max_model_len=max_prompt_length + max_response_length, enable_prefix_caching=True,
         )
-        self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=max_response_length,
-                                     seed=None)
+        self.max_response_length = max_response_length
+        self.params = self._params(Sampling.of(cfg), None)
 
-    def generate(self, rows: list[dict[str, str]], group_ids: list[int], policy_version: int) -> RolloutBatch:
+    def _params(self, how: Sampling, seed: int | None) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=how.temperature, top_p=how.top_p, max_tokens=self.max_response_length,
+                              seed=seed)
+
+    def generate(self, rows: list[dict[str, str]], group_ids: list[int], policy_version: int,
+                 sampling: Sampling | None = None, seed: int | None = None) -> RolloutBatch:
+        """`sampling` and `seed` (per request) override the rollout's settings, as an evaluation asks."""
         from vllm.inputs import TokensPrompt
 
         t0 = time.perf_counter()
-        enc = self.tok([r["prompt"] for r in rows], return_tensors="pt", padding=True, truncation=True,
-                       max_length=self.max_prompt_length)
+        how = sampling or Sampling.of(self.cfg)
+        # one seed per request: the same seed for every request would repeat a prompt's samples
+        params = ([self._params(how, seed + i) for i in range(len(rows))] if seed is not None
+                  else self.params if sampling is None else self._params(how, None))
+        prompt_ids, prompt_mask = encode_prompts(self.tok, rows, self.max_prompt_length)
         prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
-                   for ids, m in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
-        outs = self.llm.generate(prompts, self.params, use_tqdm=False)
-        width = self.params.max_tokens
+                   for ids, m in zip(prompt_ids, prompt_mask, strict=True)]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        width = self.max_response_length
         pad = self.tok.pad_token_id
         resp = torch.full((len(rows), width), pad, dtype=torch.long)
         for i, o in enumerate(outs):
             toks = list(o.outputs[0].token_ids)[:width]
             resp[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
         texts = [o.outputs[0].text for o in outs]
-        batch = assemble_batch(enc["input_ids"], enc["attention_mask"], resp, self.tok.eos_token_id, pad, rows,
-                               texts, group_ids, policy_version)
+        batch = assemble_batch(prompt_ids, prompt_mask, resp, self.tok.eos_token_id, pad, rows, texts, group_ids,
+                               policy_version)
         batch.add_timing("generate", time.perf_counter() - t0)
         return batch
 

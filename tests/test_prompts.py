@@ -1,0 +1,169 @@
+"""Prompt sources and formats: chat prompts through a real tokenizer's chat template, raw text as before,
+and spec.data.train / spec.data.val problems named by field. No Ray: the worker runs in this process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hybridflow.api import parse_job
+from hybridflow.data import DataError
+from hybridflow.data.chat import CHAT, FORMAT_KEY
+from hybridflow.data.prompts import TINY_VAL_SIZE, load_prompts, load_rows
+from hybridflow.data.tiny import ensure_tiny_model
+from hybridflow.preflight import preflight
+from hybridflow.workers.host import WorkerHost
+from hybridflow.workers.rollout import encode_prompts
+
+# A chat template in the tiny model's vocabulary (digits and <s> </s>): each turn is a role digit (system 7,
+# user 8, assistant 9), its content and </s>; the generation prompt opens an assistant turn.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %} {{ {'system': '7', 'user': '8', 'assistant': '9'}[m['role']] }} "
+    "{{ m['content'] }} {{ eos_token }}{% endfor %}{% if add_generation_prompt %} 9{% endif %}"
+)
+MESSAGES = [{"role": "system", "content": "1"}, {"role": "user", "content": "2 3 4"}]
+RENDERED = "<s> 7 1 </s> 8 2 3 4 </s> 9"
+# <pad>=0 <s>=1 </s>=2 <unk>=3, digit d = 4 + d
+RENDERED_IDS = [1, 11, 5, 2, 12, 6, 7, 8, 2, 13]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in tiny model, its tokenizer given TEMPLATE as chat_template (saved like any HF model)."""
+    path = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(ensure_tiny_model(), path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": MESSAGES, "answer": "4"}, {"prompt": "5 6", "answer": "6"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def spec_of(example_doc, policy: str, train: str, prompt_format: str | None = None, **data):
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["model"]["policy"]["path"] = policy
+    doc["spec"]["data"].update(train=train, maxPromptLength=16, **data)
+    if prompt_format is not None:
+        doc["spec"]["data"]["promptFormat"] = prompt_format
+    return parse_job(doc).spec
+
+
+def test_the_fixture_template_is_real(chat_model: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    assert tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False) == RENDERED
+    assert list(tok.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]) == RENDERED_IDS
+
+
+def test_auto_renders_message_lists_with_the_chat_template_and_keeps_strings(
+        example_doc, chat_model: Path, prompts_file: Path) -> None:
+    spec = spec_of(example_doc, str(chat_model), str(prompts_file))
+    assert spec.data.prompt_format == "auto"
+    assert load_prompts(spec, "train") == [
+        {"prompt": RENDERED, FORMAT_KEY: CHAT, "answer": "4"},
+        {"prompt": "5 6", "answer": "6"},
+    ]
+
+
+def test_a_rendered_prompt_is_tokenized_as_the_template_tokenizes_it(
+        example_doc, chat_model: Path, prompts_file: Path) -> None:
+    """No second BOS on the templated prompt; the plain one gets the tokenizer's BOS as before; left padding."""
+    spec = spec_of(example_doc, str(chat_model), str(prompts_file))
+    rows = load_prompts(spec, "train")
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    ids, mask = encode_prompts(tok, rows, 16)
+    assert ids.tolist() == [RENDERED_IDS, [0] * 7 + [1, 9, 10]]
+    assert mask.tolist() == [[1] * 10, [0] * 7 + [1] * 3]
+
+
+def test_the_worker_generates_from_the_templated_ids(example_doc, chat_model: Path, prompts_file: Path) -> None:
+    spec = spec_of(example_doc, str(chat_model), str(prompts_file))
+    rows = load_prompts(spec, "train")
+    host = WorkerHost(spec.model_dump(mode="json"), {"actor_rollout": "actor_rollout", "reward_score": "reward"},
+                      instance=0, use_gpu=False)
+    batch = host.rollout(rows, [0, 1], ["reward"])
+    assert batch.prompt_length == len(RENDERED_IDS)
+    assert batch.input_ids[0, :batch.prompt_length].tolist() == RENDERED_IDS
+    assert batch.prompts[0] == RENDERED
+    assert batch.input_ids.shape == (2, len(RENDERED_IDS) + spec.data.max_response_length)
+    assert batch.tensors["scores"].shape == (2,)
+
+
+def test_chat_wraps_strings_as_one_user_message(example_doc, chat_model: Path) -> None:
+    spec = spec_of(example_doc, str(chat_model), "builtin:tiny_task", "chat")
+    first = load_prompts(spec, "train")[0]
+    assert first == {"prompt": f"<s> 8 {load_rows('builtin:tiny_task', 'prompt', 'answer')[0]['prompt']} </s> 9",
+                     FORMAT_KEY: CHAT, "answer": first["answer"]}
+
+
+def test_raw_never_uses_the_template(example_doc, chat_model: Path, prompts_file: Path) -> None:
+    """The messages' contents joined by newlines, tokenized with the tokenizer's BOS: as before promptFormat."""
+    spec = spec_of(example_doc, str(chat_model), str(prompts_file), "raw")
+    rows = load_prompts(spec, "train")
+    assert rows == [{"prompt": "1\n2 3 4", "answer": "4"}, {"prompt": "5 6", "answer": "6"}]
+    assert rows == load_rows(str(prompts_file), "prompt", "answer")
+    ids, _ = encode_prompts(AutoTokenizer.from_pretrained(chat_model), rows, 16)
+    assert ids.tolist() == [[1, 5, 6, 7, 8], [0, 0, 1, 9, 10]]
+
+
+def test_plain_prompts_encode_exactly_as_the_tokenizer_pads_them() -> None:
+    """The default job's prompts: the same ids and mask as one padded tokenizer call (the encoding before)."""
+    tok = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    tok.padding_side = "left"
+    rows = [{"prompt": p} for p in ("1 2 3", "4", "5 6 7 8 9 0 1 2 3")]
+    ids, mask = encode_prompts(tok, rows, 8)
+    enc = tok([r["prompt"] for r in rows], return_tensors="pt", padding=True, truncation=True, max_length=8)
+    assert torch.equal(ids, enc["input_ids"]) and torch.equal(mask, enc["attention_mask"])
+
+
+@pytest.mark.parametrize("prompt_format", ["chat", "auto"])
+def test_chat_prompts_without_a_template_name_prompt_format(example_doc, prompts_file: Path,
+                                                            prompt_format: str) -> None:
+    spec = spec_of(example_doc, "builtin:tiny", str(prompts_file), prompt_format)
+    with pytest.raises(DataError, match=r"^spec\.data\.promptFormat: chat prompts need a chat template, and the "
+                                        r"tokenizer of spec\.model\.policy\.path \(builtin:tiny\) has none; use "
+                                        r"promptFormat raw"):
+        load_prompts(spec, "train")
+    assert any(p.startswith("spec.data.promptFormat: ") for p in preflight(spec))
+
+
+def test_the_default_job_needs_no_template(example_doc) -> None:
+    spec = parse_job(example_doc("tiny-ppo.yaml")).spec
+    assert spec.data.prompt_format == "auto" and spec.data.val is None
+    rows = load_prompts(spec, "train")
+    assert rows == load_rows("builtin:tiny_task", "prompt", "answer") and FORMAT_KEY not in rows[0]
+    assert load_prompts(spec, "val") == []
+
+
+def test_the_built_in_val_set_is_a_draw_of_its_own(example_doc) -> None:
+    spec = spec_of(example_doc, "builtin:tiny", "builtin:tiny_task", val="builtin:tiny_task")
+    val, train = load_prompts(spec, "val"), load_prompts(spec, "train")
+    assert len(val) == TINY_VAL_SIZE and val == load_prompts(spec, "val")
+    assert val != train[:TINY_VAL_SIZE]
+    assert all(r["answer"] == r["prompt"].split()[-1] for r in val)
+
+
+@pytest.mark.parametrize(("val", "problem"), [
+    ("{tmp}/missing.jsonl", "spec.data.val: file not found: {tmp}/missing.jsonl"),
+    ("builtin:gsm8k", "spec.data.val: unknown built-in dataset 'builtin:gsm8k', allowed: builtin:tiny_task"),
+    ("{tmp}/val.csv", "spec.data.val: unsupported file type '.csv', allowed: .parquet, .jsonl, hf://datasets/..."),
+    ("{tmp}/empty.jsonl", "spec.data.val: {tmp}/empty.jsonl has no rows"),
+    ("{tmp}/broken.jsonl", "spec.data.val: {tmp}/broken.jsonl is not JSON lines: line 2: Expecting value"),
+])
+def test_val_problems_name_the_field(example_doc, tmp_path: Path, val: str, problem: str) -> None:
+    (tmp_path / "val.csv").write_text("prompt\n1 2 3\n")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "1 2 3"}\n{"prompt": \n')
+    spec = spec_of(example_doc, "builtin:tiny", "builtin:tiny_task", val=val.format(tmp=tmp_path))
+    assert preflight(spec) == [problem.format(tmp=tmp_path)]
