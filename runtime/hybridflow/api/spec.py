@@ -127,11 +127,46 @@ class Algorithm(ApiModel):
         return self.name in CRITIC_ALGORITHMS
 
 
+MAX_LORA_TARGETS = 64
+
+
+class Lora(ApiModel):
+    """Low-rank adapters (LoRA, via peft) on the policy instead of a full fine-tune.
+
+    Each targeted linear layer computes W x + (alpha / rank) * B A x, with A [rank, in] and B [out, rank]
+    trained and W frozen; B starts at zero, so step 0 is the base model. The reference model is then the
+    policy's own base with the adapters switched off, not a second copy.
+    """
+
+    rank: int = Field(8, ge=1, le=4096)
+    """r: the inner dimension of A and B."""
+    alpha: float = Field(16.0, gt=0.0)
+    """The adapter output is scaled by alpha / rank."""
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=253)]] = Field(
+        min_length=1, max_length=MAX_LORA_TARGETS
+    )
+    """Names of the layers to adapt, matched as peft matches them: a module's full name or its last
+    dotted parts (`q_proj` adapts every `...self_attn.q_proj`). Llama-like models: q_proj, k_proj,
+    v_proj, o_proj, gate_proj, up_proj, down_proj."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input while training."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _unique_targets(cls, targets: list[str]) -> list[str]:
+        twice = _duplicates(targets)
+        if twice:
+            raise ValueError(f"{', '.join(map(repr, twice))} appears more than once")
+        return targets
+
+
 class ModelRef(ApiModel):
     """A causal LM: a local directory, a PVC mount path, or `builtin:tiny`."""
 
     path: str = Field("builtin:tiny", min_length=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: Lora | None = None
+    """Train LoRA adapters instead of every weight; null (the default) is a full fine-tune."""
 
 
 class CriticModel(ApiModel):
@@ -258,6 +293,20 @@ class Loggers(ApiModel):
         return backends
 
 
+AdapterMode = Literal["merge", "separate"]
+
+
+class Export(ApiModel):
+    """The final policy as a Hugging Face model folder, written by the controller when the run ends."""
+
+    path: str = ""
+    """Directory of the folder (replaced when it exists); empty: no export. `hybridflow export` writes
+    the same folder from any checkpoint."""
+    adapters: AdapterMode = "merge"
+    """With spec.model.policy.lora: `merge` folds the adapters into the base weights (a plain
+    transformers model); `separate` writes the adapters alone, as a peft adapter folder over the base."""
+
+
 class Trainer(ApiModel):
     total_steps: int = Field(20, ge=1, le=10_000_000)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
@@ -270,6 +319,8 @@ class Trainer(ApiModel):
     """Ray restarts a dead worker or controller up to this many times."""
     loggers: Loggers = Field(default_factory=Loggers)
     """Console, metrics file and experiment trackers."""
+    export: Export = Field(default_factory=Export)
+    """Write the final policy as a Hugging Face folder at the end of the run."""
 
 
 class GraphNode(ApiModel):
@@ -503,6 +554,10 @@ class RunPolicy(ApiModel):
     ttl_seconds_after_finished: int = Field(3600, ge=0)
 
 
+SEPARATE_NEEDS_LORA = ("trainer.export.adapters 'separate' needs model.policy.lora (a full fine-tune has no "
+                       "adapters to write apart; use 'merge')")
+
+
 class RLTrainingJobSpec(ApiModel):
     model_config = ApiModel.model_config | ConfigDict(
         json_schema_extra=_rules(
@@ -540,6 +595,13 @@ class RLTrainingJobSpec(ApiModel):
                 ".graph.nodes",
             ),
             _cel(
+                "!has(self.trainer) || !has(self.trainer.export) || !has(self.trainer.export.adapters)"
+                " || self.trainer.export.adapters != 'separate'"
+                " || (has(self.model) && has(self.model.policy) && has(self.model.policy.lora))",
+                SEPARATE_NEEDS_LORA,
+                ".trainer.export.adapters",
+            ),
+            _cel(
                 "has(self.graph) == has(oldSelf.graph) && (!has(self.graph) || self.graph == oldSelf.graph)",
                 "spec.graph is immutable once the job has been created; delete and recreate the job",
                 ".graph",
@@ -562,6 +624,8 @@ class RLTrainingJobSpec(ApiModel):
     def _cross_field(self) -> RLTrainingJobSpec:
         if self.algorithm.name in GROUP_ALGORITHMS and self.rollout.samples_per_prompt < 2:
             raise ValueError(_group_message(self.algorithm.name))
+        if self.trainer.export.adapters == "separate" and self.model.policy.lora is None:
+            raise ValueError(SEPARATE_NEEDS_LORA)
         mbs = self.algorithm.mini_batch_size
         total = self.data.batch_size * self.rollout.samples_per_prompt
         if mbs is not None and mbs > total:
