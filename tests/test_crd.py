@@ -415,6 +415,10 @@ def test_empty_spec_defaults_equal_the_model_defaults(schema: dict[str, Any]) ->
         (lambda s: s["cluster"]["nodeSelector"].update(zone=3), "spec.cluster.nodeSelector.zone"),
         (lambda s: s["trainer"].update(totalStep=10), "spec.trainer"),
         (lambda s: s["algorithm"].update(ppoEpochs="2"), "spec.algorithm.ppoEpochs"),
+        (lambda s: s["model"]["policy"].update(lora={"rank": 0, "targetModules": ["q"]}), "spec.model.policy.lora"),
+        (lambda s: s["model"]["policy"].update(lora={"targetModules": []}), "spec.model.policy.lora.targetModules"),
+        (lambda s: s["model"]["policy"].update(lora={"rank": 8}), "spec.model.policy.lora"),
+        (lambda s: s["trainer"].update(export={"adapters": "both"}), "spec.trainer.export.adapters"),
     ],
 )
 def test_invalid_objects_fail(
@@ -563,6 +567,11 @@ REJECTED = [
         "tp-with-torch",
         {"rollout": {"engine": "torch", "tensorParallelSize": 2}},
         "rollout.tensorParallelSize above 1 needs rollout.engine vllm",
+    ),
+    (
+        "separate-adapters-without-lora",
+        {"trainer": {"export": {"path": "/out", "adapters": "separate"}}},
+        "trainer.export.adapters 'separate' needs model.policy.lora",
     ),
     (
         "min-above-replicas",
