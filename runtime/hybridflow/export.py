@@ -156,8 +156,11 @@ def export_policy(job: RLTrainingJob, weights: dict[str, torch.Tensor], step: in
         model = model.merge_and_unload()  # type: ignore[operator]  # PeftModel's, unknown to nn.Module
     staging = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        # transformers 5 writes safetensors only; the flag keeps transformers 4 (and peft) on them too
-        model.save_pretrained(staging, safe_serialization=True)  # type: ignore[operator]
+        if kind == "adapter":  # the adapters alone: the base's (unchanged) embedding weights stay out
+            model.save_pretrained(staging, safe_serialization=True,  # type: ignore[operator]
+                                  save_embedding_layers=False)
+        else:  # transformers 5 writes safetensors only; the flag keeps transformers 4 on them too
+            model.save_pretrained(staging, safe_serialization=True)  # type: ignore[operator]
         load_tokenizer(base).save_pretrained(staging)
         meta = metadata(job, step, kind, source)
         (staging / METADATA_FILE).write_text(json.dumps(meta, indent=1) + "\n")

@@ -39,6 +39,7 @@ from hybridflow.telemetry import StepExporter
 from hybridflow.trackers import TRACKERS, TrackerSet, TrackerUnavailable, missing_extras, open_trackers
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.host import WorkerHost
+from hybridflow.workers.modeling import quiet_transformers
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +207,7 @@ class Trainer:
         ex = self.spec.trainer.export
         if not ex.path:
             return None
+        quiet_transformers()
         host = self.scheduler.hosts(self.plan.actor.name)[0]
         weights: Any = ray.get(host.policy_weights.remote())  # name -> tensor
         done = export_policy(self.job, weights, self.step, ex.path, ex.adapters, overwrite=True, names=SPEC)

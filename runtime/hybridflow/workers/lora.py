@@ -69,10 +69,11 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 
 def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter tensors only (peft's names, without the adapter name)."""
+    """The adapter tensors only (peft's names, without the adapter name); an adapted lm_head or embedding
+    keeps its base weights out too, as the base never changes (the vocabulary is the base model's)."""
     from peft import get_peft_model_state_dict
 
-    return dict(get_peft_model_state_dict(model, adapter_name=ADAPTER))
+    return dict(get_peft_model_state_dict(model, adapter_name=ADAPTER, save_embedding_layers=False))
 
 
 def load_adapter_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
@@ -87,6 +88,7 @@ def load_adapter_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor
                          "spec.model.policy.lora?)")
 
 
+@torch.no_grad()
 def merged_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The base model's state dict with every adapted weight replaced by W + (alpha/r) * B A, under the base
     model's own names; the module is left as it is (no merge and unmerge that would round the base weights)."""
