@@ -292,3 +292,28 @@ def hub_name_spec(name: HubName) -> dict[str, Any]:
     if name.field == "spec.data.train":
         return {"data": {"train": name.value}}
     return {"model": {"policy": {"path": name.value}}}
+
+
+def greedy_tokens(model: Any, tokenizer: Any, prompts: Sequence[str], new_tokens: int = 4) -> Any:
+    """The tokens `model` generates greedily after each prompt (left-padded batch), as a [B, new_tokens] tensor."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    enc = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    return out[:, enc["input_ids"].shape[1]:]
+
+
+def policy_from_checkpoint(directory: Path, spec: Any) -> Any:
+    """The policy of a checkpoint directory as the runtime itself restores it: an actor worker, its state loaded."""
+    import torch
+
+    from hybridflow.checkpoint import load_state
+    from hybridflow.workers.actor import ActorRolloutWorker
+
+    worker = ActorRolloutWorker(spec, torch.device("cpu"))
+    worker.load_state_dict(load_state(directory / "actor_rollout_0.pt")["roles"]["actor_rollout"])
+    return worker.model

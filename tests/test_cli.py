@@ -230,12 +230,13 @@ def test_bash_completion_registers_and_completes_commands_options_and_choices(tm
     assert registered.returncode == 0, registered.stderr
     assert registered.stdout.strip() == "complete -o bashdefault -o default -F _hybridflow hybridflow"
     s = str(script)
-    assert complete_in_bash(s, "hybridflow", "") == ["run", "train", "validate", "render", "ctl", "dashboard",
-                                                       "completion"]
+    assert complete_in_bash(s, "hybridflow", "") == ["run", "train", "validate", "render", "export", "ctl",
+                                                       "dashboard", "completion"]
     assert complete_in_bash(s, "hybridflow", "va") == ["validate"]
     assert complete_in_bash(s, "hybridflow", "--ver") == ["--verbose", "--version"]
     assert complete_in_bash(s, "hybridflow", "completion", "") == ["bash", "zsh"]
     assert complete_in_bash(s, "hybridflow", "ctl", "s") == ["status", "scale"]
+    assert complete_in_bash(s, "hybridflow", "export", "ckpt", "--adapters", "") == ["merge", "separate"]
     assert complete_in_bash(s, "hybridflow", "-v", "run", "--steps", "3", "--q") == ["--quiet"]
     # An option's value and a job file: nothing from the script, so bash completes file names (-o default).
     assert complete_in_bash(s, "hybridflow", "run", "--metrics-out", "") == []
@@ -246,7 +247,7 @@ def test_zsh_completion_is_a_compdef_function_with_the_same_commands() -> None:
     text = completion_script("zsh")
     assert text.startswith("#compdef hybridflow\n")
     assert "compdef _hybridflow hybridflow" in text
-    assert '"") subs=(run train validate render ctl dashboard completion)' in text
+    assert '"") subs=(run train validate render export ctl dashboard completion)' in text
     assert '"completion") subs=(); opts=(-h --help); choices=(bash zsh) ;;' in text
     if shutil.which("zsh"):
         checked = subprocess.run(["zsh", "-n"], input=text, capture_output=True, text=True, timeout=30)

@@ -417,6 +417,10 @@ def test_empty_spec_defaults_equal_the_model_defaults(schema: dict[str, Any]) ->
         (lambda s: s["cluster"]["nodeSelector"].update(zone=3), "spec.cluster.nodeSelector.zone"),
         (lambda s: s["trainer"].update(totalStep=10), "spec.trainer"),
         (lambda s: s["algorithm"].update(ppoEpochs="2"), "spec.algorithm.ppoEpochs"),
+        (lambda s: s["model"]["policy"].update(lora={"rank": 0, "targetModules": ["q"]}), "spec.model.policy.lora"),
+        (lambda s: s["model"]["policy"].update(lora={"targetModules": []}), "spec.model.policy.lora.targetModules"),
+        (lambda s: s["model"]["policy"].update(lora={"rank": 8}), "spec.model.policy.lora"),
+        (lambda s: s["trainer"].update(export={"adapters": "both"}), "spec.trainer.export.adapters"),
     ],
 )
 def test_invalid_objects_fail(
@@ -585,6 +589,11 @@ REJECTED = [
         "greedy-eval-with-samples",
         {"data": {"val": "builtin:tiny_task"}, "trainer": {"eval": {"greedy": True, "samplesPerPrompt": 4}}},
         "eval.temperature and eval.samplesPerPrompt above 1 need eval.greedy false",
+    ),
+    (
+        "separate-adapters-without-lora",
+        {"trainer": {"export": {"path": "/out", "adapters": "separate"}}},
+        "trainer.export.adapters 'separate' needs model.policy.lora",
     ),
     (
         "min-above-replicas",

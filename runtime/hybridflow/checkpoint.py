@@ -19,6 +19,10 @@ from typing import Any
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 OWNER_FILE = "owner"
+CONTROLLER_FILE = "controller.pt"
+"""The controller's state in each checkpoint directory: step, data position, RNG, and the rank files beside it."""
+JOB_FILE = "job.json"
+"""The job that wrote the checkpoint, as JSON: what `hybridflow export` needs to rebuild the policy."""
 
 
 class Superseded(RuntimeError):
@@ -89,6 +93,15 @@ def complete_steps(root: str | Path) -> list[int]:
 def latest(root: str | Path) -> tuple[int, Path] | None:
     steps = complete_steps(root)
     return (steps[-1], step_dir(root, steps[-1])) if steps else None
+
+
+def resolve(path: str | Path) -> Path | None:
+    """A checkpoint directory as given, or the newest complete one under a checkpoint root; None when neither."""
+    p = Path(path)
+    if (p / CONTROLLER_FILE).is_file():
+        return p
+    found = latest(p)
+    return found[1] if found else None
 
 
 def prune(root: str | Path, keep: int) -> None:

@@ -1,4 +1,4 @@
-"""hybridflow run | train | validate | render | ctl | dashboard | completion."""
+"""hybridflow run | train | validate | render | export | ctl | dashboard | completion."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def _summarise(result: dict[str, Any], metrics_out: str | None, seconds: float) 
         "reward_last": round(last["reward_mean"], 4),
         **({"val_reward_first": round(val[0], 4), "val_reward_last": round(val[-1], 4)} if val else {}),
         "metrics": metrics_out, "plot": result["plot"],
-        "report": result.get("report"),
+        "report": result.get("report"), "export": result.get("export"),
         "recoveries": result["recoveries"],
     }))
 
@@ -167,6 +167,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _fail(f"no job to train: pass --config FILE or set {contract.ENV_CONFIG} "
                      "(the operator sets it in every Ray pod)")
     return _train(args, args.config, local=args.local)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from hybridflow.export import ExportError, export_checkpoint
+    from hybridflow.workers.modeling import quiet_transformers
+
+    quiet_transformers()
+    try:
+        done = export_checkpoint(args.checkpoint, args.to, args.adapters, args.config, args.overwrite)
+    except ExportError as e:
+        return _fail(str(e))
+    print(json.dumps(done.summary()))
+    return 0
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
@@ -204,6 +217,20 @@ def build_parser() -> argparse.ArgumentParser:
     ren = sub.add_parser("render", help="print the manifests the operator would create")
     ren.add_argument("file")
     ren.set_defaults(fn=cmd_render)
+    exp = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face model folder",
+                         description="The policy of CHECKPOINT (a step_N directory, or a checkpoint root: its newest "
+                                     "complete one) in the job's base model, saved with save_pretrained "
+                                     "(safetensors), with its tokenizer and a model card.")
+    exp.add_argument("checkpoint", metavar="CHECKPOINT")
+    exp.add_argument("--to", required=True, metavar="DIR", help="the folder to write")
+    exp.add_argument("--adapters", choices=("merge", "separate"), default="merge",
+                     help="LoRA policies: merge the adapters into the base weights (default) or write them alone "
+                          "as a peft adapter folder")
+    exp.add_argument("--config", metavar="JOB.yaml",
+                     help="the job file (default: the job saved in the checkpoint); its spec.model.policy gives "
+                          "the base model and LoRA settings")
+    exp.add_argument("--overwrite", action="store_true", help="replace an earlier export at --to")
+    exp.set_defaults(fn=cmd_export)
     from hybridflow.control import cli as control_cli
 
     control_cli.add_parser(sub)

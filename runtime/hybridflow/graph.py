@@ -291,6 +291,17 @@ def needs_reference(spec: RLTrainingJobSpec) -> bool:
     return spec.model.reference.enabled and spec.algorithm.kl_penalty.coef > 0
 
 
+def reference_in_policy(spec: RLTrainingJobSpec) -> bool:
+    """A LoRA policy whose reference has no path of its own: the reference is the policy's frozen base.
+
+    The reference node stays in the graph (its step scores ref log-probs as before), but a host that holds
+    both roles loads no second model: the reference runs the actor's module with its adapters switched
+    off. A reference node in another process (a custom graph) loads the base model itself, which is the
+    same initial policy.
+    """
+    return spec.model.policy.lora is not None and spec.model.reference.path is None
+
+
 def _add_loop(g: DataflowGraph, actor: Node, consumers: Iterable[Node], trainer: Node) -> None:
     for c in consumers:
         g.edge(Edge(actor, c, data_type="rollout_batch", co_locate=c.pool == actor.pool and c.role != "critic",
@@ -304,7 +315,8 @@ def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = 
     algorithms that train one (ppo), has its own pool. grpo, rloo and reinforce_plus_plus(_baseline) share
     the critic-free graph.
 
-    On GPUs each actor bundle is one GPU split 0.5/0.25/0.25 between actor, reference and reward.
+    On GPUs each actor bundle is one GPU split 0.5/0.25/0.25 between actor, reference and reward; a
+    reference that shares the LoRA policy's module (reference_in_policy) holds no model and asks for none.
     """
     algo = spec.algorithm.name
     g = DataflowGraph(algo)
@@ -315,7 +327,8 @@ def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = 
     reward_res = {"GPU": 0.25} if gpu and model_reward else {}
     consumers.append(g.node(Node("reward_score", "reward", reward_res, parallelism, "actor")))
     if needs_reference(spec):
-        consumers.append(g.node(Node("reference", "reference", {"GPU": 0.25} if gpu else {}, parallelism, "actor")))
+        ref_res = {"GPU": 0.25} if gpu and not reference_in_policy(spec) else {}
+        consumers.append(g.node(Node("reference", "reference", ref_res, parallelism, "actor")))
     trainer = actor
     if spec.algorithm.trains_critic:
         cpar = critic_parallelism or parallelism

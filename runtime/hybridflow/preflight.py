@@ -10,7 +10,8 @@ from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.data.prompts import DataError, load_prompts
 from hybridflow.plan import graph_problems
 from hybridflow.trackers import missing_extras
-from hybridflow.workers.modeling import ModelPathError, check_model_dir
+from hybridflow.workers.lora import targets_problem
+from hybridflow.workers.modeling import ModelPathError, check_model_dir, model_skeleton
 from hybridflow.workers.reward import RewardFunctionError, resolve_reward_function
 
 
@@ -22,6 +23,7 @@ def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
             check_model_dir(path, field)
         except ModelPathError as e:
             problems.append(str(e))
+    problems += lora_problems(spec)
     if spec.reward.type == "function":
         try:
             resolve_reward_function(spec.reward.function)
@@ -37,3 +39,18 @@ def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
         problems.append("spec.rollout.engine: 'vllm' needs a GPU; use 'torch' on CPU-only machines")
     problems += missing_extras(spec.trainer.loggers.backends)
     return problems
+
+
+def lora_problems(spec: RLTrainingJobSpec) -> list[str]:
+    """spec.model.policy.lora.targetModules must name a layer of the policy (checked on a weightless skeleton)."""
+    lora = spec.model.policy.lora
+    if lora is None:
+        return []
+    try:
+        skeleton = model_skeleton(check_model_dir(spec.model.policy.path, "spec.model.policy.path"))
+    except ModelPathError:
+        return []  # reported above
+    except (OSError, ValueError) as e:
+        return [f"spec.model.policy.path: transformers cannot build the model from its config.json: {e}"]
+    problem = targets_problem(skeleton.named_modules(), lora.target_modules)
+    return [problem] if problem else []

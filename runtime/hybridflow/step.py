@@ -93,6 +93,10 @@ def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, 
     return out
 
 
+FOOTPRINT_KEYS = ("actor_trainable_params", "actor_total_params", "actor_optimizer_state_bytes")
+"""The policy's training footprint per worker (workers.footprint), measured after each update."""
+
+
 def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> dict[str, Any]:
     """The metrics record of one step: what the JSONL log, Prometheus and status.progress show."""
     stats, upd, adv = out.stats, out.update, out.advantages
@@ -114,5 +118,6 @@ def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> d
         **{f"timing/{k}": v for k, v in out.timings.items()},
         **{f"timing/{k}": v for k, v in out.seconds.items()},
         **{k: v for k, v in adv.items() if k != "kl"},
+        **{k: upd[k] for k in FOOTPRINT_KEYS if k in upd},
     }
     return {k: v for k, v in record.items() if v is not None}

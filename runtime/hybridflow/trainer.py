@@ -6,6 +6,7 @@ HybridScheduler. Only small batches pass through here: the advantage math is the
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -19,12 +20,14 @@ import torch
 
 from hybridflow import algos, checkpoint
 from hybridflow.api.spec import RLTrainingJob
+from hybridflow.checkpoint import CONTROLLER_FILE, JOB_FILE
 from hybridflow.control import store
 from hybridflow.control.names import job_ref
 from hybridflow.control.steering import Steering
 from hybridflow.dashboard import report_path, write_report
 from hybridflow.data.prompts import PromptSampler, load_prompts, repeat_samples
 from hybridflow.evaluation import eval_due, eval_seed, last_val_reward, val_metrics
+from hybridflow.export import SPEC, export_policy
 from hybridflow.metrics import MetricsLog, plot_metrics
 from hybridflow.plan import sequences_per_step, step_plan, trainable_graph
 from hybridflow.reporting import ProgressReporter
@@ -37,6 +40,7 @@ from hybridflow.telemetry import StepExporter
 from hybridflow.trackers import TRACKERS, TrackerSet, TrackerUnavailable, missing_extras, open_trackers
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.host import WorkerHost
+from hybridflow.workers.modeling import quiet_transformers
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,6 @@ WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableErro
 LOST_PROBE_S = 60.0
 """How long a host may take to answer before a failed step blames its death (Ray's node health check
 takes about 30 s to declare a vanished pod's raylet dead)."""
-CONTROLLER_FILE = "controller.pt"
 MEMORY_SAMPLE_S = 5.0
 """How often the loop asks the hosts for their memory (the dashboard's heatmap): one round trip per host."""
 
@@ -192,6 +195,7 @@ class Trainer:
             self._loop(total)
         finally:
             self.trackers.close()
+        exported = self.export_final()
         records = self.metrics.read()
         png = report = None
         if self.metrics.path:
@@ -200,7 +204,19 @@ class Trainer:
             report = self._write_report(records, title)
         return {"steps": self.step, "records": records, "plot": str(png) if png else None,
                 "report": str(report) if report else None,
-                "recoveries": self.recoveries, "last_checkpoint": self.last_checkpoint}
+                "recoveries": self.recoveries, "last_checkpoint": self.last_checkpoint, "export": exported}
+
+    def export_final(self) -> str | None:
+        """spec.trainer.export: the final policy as a Hugging Face folder (export.py), from rank 0's weights."""
+        ex = self.spec.trainer.export
+        if not ex.path:
+            return None
+        quiet_transformers()
+        host = self.scheduler.hosts(self.plan.actor.name)[0]
+        weights: Any = ray.get(host.policy_weights.remote())  # name -> tensor
+        done = export_policy(self.job, weights, self.step, ex.path, ex.adapters, overwrite=True, names=SPEC)
+        log.info("exported the policy at step %d to %s", self.step, done.path)
+        return str(done.path)
 
     def _write_report(self, records: list[dict[str, Any]], title: str) -> Path | None:
         """The run's dashboard as one HTML file beside its metrics; a failure here must not fail the run."""
@@ -393,6 +409,7 @@ class Trainer:
         checkpoint.save_state(controller_state(self.step, self.kl_ctl, self.sampler,
                                                [name for name, _ in self._instances()]),
                               staging / CONTROLLER_FILE)
+        (staging / JOB_FILE).write_text(json.dumps(self.job.model_dump(by_alias=True, mode="json"), indent=1))
         self._check_owner()
         final = checkpoint.commit(staging, root, self.step)
         checkpoint.prune(root, self.spec.trainer.checkpoint.keep)

@@ -132,6 +132,39 @@ MAX_PATH_LENGTH = 4096
 """Longest model or data path (PATH_MAX); it also bounds the cost of the CEL rule on Hub names."""
 
 
+MAX_LORA_TARGETS = 64
+
+
+class Lora(ApiModel):
+    """Low-rank adapters (LoRA, via peft) on the policy instead of a full fine-tune.
+
+    Each targeted linear layer computes W x + (alpha / rank) * B A x, with A [rank, in] and B [out, rank]
+    trained and W frozen; B starts at zero, so step 0 is the base model. The reference model is then the
+    policy's own base with the adapters switched off, not a second copy.
+    """
+
+    rank: int = Field(8, ge=1, le=4096)
+    """r: the inner dimension of A and B."""
+    alpha: float = Field(16.0, gt=0.0)
+    """The adapter output is scaled by alpha / rank."""
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=253)]] = Field(
+        min_length=1, max_length=MAX_LORA_TARGETS
+    )
+    """Names of the layers to adapt, matched as peft matches them: a module's full name or its last
+    dotted parts (`q_proj` adapts every `...self_attn.q_proj`). Llama-like models: q_proj, k_proj,
+    v_proj, o_proj, gate_proj, up_proj, down_proj."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input while training."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _unique_targets(cls, targets: list[str]) -> list[str]:
+        twice = _duplicates(targets)
+        if twice:
+            raise ValueError(f"{', '.join(map(repr, twice))} appears more than once")
+        return targets
+
+
 def _hub_name_check(kind: RepoType) -> Callable[[str], str]:
     """hf:// strings must spell a Hub name of `kind` (hybridflow.hub); the API server checks the same pattern."""
 
@@ -152,7 +185,8 @@ def _hub_name_schema(kind: RepoType) -> dict[str, Any]:
 ModelPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH_LENGTH, json_schema_extra=_hub_name_schema("model")),
                       AfterValidator(_hub_name_check("model"))]
 """A model path: a directory, builtin:tiny, or a Hub model name."""
-DataPath = Annotated[str, Field(min_length=1, max_length=MAX_PATH_LENGTH, json_schema_extra=_hub_name_schema("dataset")),
+DataPath = Annotated[str,
+                     Field(min_length=1, max_length=MAX_PATH_LENGTH, json_schema_extra=_hub_name_schema("dataset")),
                      AfterValidator(_hub_name_check("dataset"))]
 """A data source: a builtin, a file, or a Hub dataset name."""
 
@@ -164,6 +198,8 @@ class ModelRef(ApiModel):
     """A directory, `builtin:tiny`, or a Hub model: `Org/Name` or `hf://Org/Name@revision` (branch, tag or
     commit), fetched once into $HF_HOME/hub before the workers start."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    lora: Lora | None = None
+    """Train LoRA adapters instead of every weight; null (the default) is a full fine-tune."""
 
 
 class CriticModel(ApiModel):
@@ -333,6 +369,20 @@ class Evaluation(ApiModel):
         return self
 
 
+AdapterMode = Literal["merge", "separate"]
+
+
+class Export(ApiModel):
+    """The final policy as a Hugging Face model folder, written by the controller when the run ends."""
+
+    path: str = ""
+    """Directory of the folder (replaced when it exists); empty: no export. `hybridflow export` writes
+    the same folder from any checkpoint."""
+    adapters: AdapterMode = "merge"
+    """With spec.model.policy.lora: `merge` folds the adapters into the base weights (a plain
+    transformers model); `separate` writes the adapters alone, as a peft adapter folder over the base."""
+
+
 class Trainer(ApiModel):
     total_steps: int = Field(20, ge=1, le=10_000_000)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
@@ -350,6 +400,8 @@ class Trainer(ApiModel):
     The val/ metrics join the record of the step after whose update they were measured."""
     eval: Evaluation = Field(default_factory=Evaluation)
     """Sampling of the evaluation (greedy by default)."""
+    export: Export = Field(default_factory=Export)
+    """Write the final policy as a Hugging Face folder at the end of the run."""
 
 
 class GraphNode(ApiModel):
@@ -587,6 +639,8 @@ class RunPolicy(ApiModel):
 
 _EVAL_WITHOUT_VAL = ("trainer.evalEvery needs data.val, the prompts to evaluate on"
                      " (set data.val, or evalEvery to 0)")
+SEPARATE_NEEDS_LORA = ("trainer.export.adapters 'separate' needs model.policy.lora (a full fine-tune has no "
+                       "adapters to write apart; use 'merge')")
 
 
 class RLTrainingJobSpec(ApiModel):
@@ -632,6 +686,13 @@ class RLTrainingJobSpec(ApiModel):
                 ".trainer.evalEvery",
             ),
             _cel(
+                "!has(self.trainer) || !has(self.trainer.export) || !has(self.trainer.export.adapters)"
+                " || self.trainer.export.adapters != 'separate'"
+                " || (has(self.model) && has(self.model.policy) && has(self.model.policy.lora))",
+                SEPARATE_NEEDS_LORA,
+                ".trainer.export.adapters",
+            ),
+            _cel(
                 "has(self.graph) == has(oldSelf.graph) && (!has(self.graph) || self.graph == oldSelf.graph)",
                 "spec.graph is immutable once the job has been created; delete and recreate the job",
                 ".graph",
@@ -670,6 +731,8 @@ class RLTrainingJobSpec(ApiModel):
     def _cross_field(self) -> RLTrainingJobSpec:
         if self.algorithm.name in GROUP_ALGORITHMS and self.rollout.samples_per_prompt < 2:
             raise ValueError(_group_message(self.algorithm.name))
+        if self.trainer.export.adapters == "separate" and self.model.policy.lora is None:
+            raise ValueError(SEPARATE_NEEDS_LORA)
         mbs = self.algorithm.mini_batch_size
         total = self.data.batch_size * self.rollout.samples_per_prompt
         if mbs is not None and mbs > total:

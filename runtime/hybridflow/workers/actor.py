@@ -10,10 +10,14 @@ import torch
 from hybridflow import algos
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
+from hybridflow.workers.footprint import training_footprint
 from hybridflow.workers.modeling import (
     check_model_dir,
     load_causal_lm,
+    load_policy,
+    load_policy_weights,
     load_tokenizer,
+    policy_weights,
     response_log_probs,
 )
 from hybridflow.workers.optim import train_epochs
@@ -30,15 +34,17 @@ def optimizer_steps(spec: RLTrainingJobSpec) -> int:
 class ActorRolloutWorker:
     """The policy: generates rollouts, scores old log-probs, and takes PPO steps.
 
-    `version` counts updates; every batch it trains on must carry the version it was generated with.
+    `version` counts updates; every batch it trains on must carry the version it was generated with. With
+    spec.model.policy.lora the module carries adapters and the optimizer holds only their parameters.
     """
 
     def __init__(self, spec: RLTrainingJobSpec, device: torch.device, seed: int = 0) -> None:
         self.spec, self.device = spec, device
         self.path = check_model_dir(spec.model.policy.path, "spec.model.policy.path")
         self.tokenizer = load_tokenizer(self.path)
-        self.model = load_causal_lm(self.path, spec.model.policy.dtype, device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.trainer.actor_lr, weight_decay=0.0)
+        self.model = load_policy(spec.model.policy, device)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
+                                           lr=spec.trainer.actor_lr, weight_decay=0.0)
         self.rollout = make_rollout(
             spec.rollout.engine, self.model, self.path, self.tokenizer, spec.rollout,
             spec.data.max_prompt_length, spec.data.max_response_length, device, spec.model.policy.dtype, seed,
@@ -108,14 +114,18 @@ class ActorRolloutWorker:
         self.version += 1
         self.rollout.sync_weights(self.model)
         out["actor_grad_norm"] = out.pop("grad_norm")
-        return out
+        return out | training_footprint(self.model, self.optimizer).record("actor")
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The policy's trained weights: its adapters under LoRA, else every weight."""
+        return policy_weights(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"model": self.weights(), "optimizer": self.optimizer.state_dict(),
                 "version": self.version, "shuffle": self.shuffle.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        load_policy_weights(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.shuffle.set_state(state["shuffle"])
@@ -123,18 +133,34 @@ class ActorRolloutWorker:
 
 
 class ReferenceWorker:
-    """A frozen copy of the initial policy; its log-probs anchor the KL penalty."""
+    """The initial policy, frozen; its log-probs anchor the KL penalty.
 
-    def __init__(self, spec: RLTrainingJobSpec, device: torch.device) -> None:
-        path = spec.model.reference.path or spec.model.policy.path
+    Its own copy of the model, or, given `policy` (a LoRA policy in the same process, see
+    graph.reference_in_policy), that policy's module with the adapters switched off: the frozen base is
+    exactly the initial policy, so no second copy is loaded.
+    """
+
+    def __init__(self, spec: RLTrainingJobSpec, device: torch.device,
+                 policy: ActorRolloutWorker | None = None) -> None:
         self.device = device
-        self.model = load_causal_lm(check_model_dir(path, "spec.model.reference.path"), spec.model.policy.dtype, device)
-        self.model.eval().requires_grad_(False)
+        self.shared = policy is not None
+        if policy is not None:
+            self.model = policy.model
+        else:
+            path = spec.model.reference.path or spec.model.policy.path
+            self.model = load_causal_lm(check_model_dir(path, "spec.model.reference.path"), spec.model.policy.dtype,
+                                        device)
+            self.model.eval().requires_grad_(False)
 
     @torch.no_grad()
     def ref_log_probs(self, batch: RolloutBatch) -> RolloutBatch:
         t0 = time.perf_counter()
-        logp, _ = response_log_probs(self.model, batch, self.device)
+        if self.shared:
+            self.model.eval()
+            with self.model.disable_adapter():  # type: ignore[operator]  # PeftModel's, unknown to nn.Module
+                logp, _ = response_log_probs(self.model, batch, self.device)
+        else:
+            logp, _ = response_log_probs(self.model, batch, self.device)
         batch.tensors["ref_log_probs"] = logp.cpu()
         batch.add_timing("ref_log_probs", time.perf_counter() - t0)
         return batch

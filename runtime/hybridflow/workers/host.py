@@ -17,6 +17,7 @@ import torch
 
 from hybridflow import checkpoint, telemetry
 from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.graph import reference_in_policy
 from hybridflow.plan import STEPS, Phase
 from hybridflow.step import PhaseResult, StepOutput, UpdateResult, run_step
 from hybridflow.workers import distributed
@@ -47,11 +48,13 @@ class WorkerHost:
         torch.manual_seed(s)
 
     def _build(self) -> None:
-        for role in self.roles.values():
+        """The actor first: a reference in the same process may run on its module (graph.reference_in_policy)."""
+        for role in sorted(self.roles.values(), key=lambda r: r != "actor_rollout"):
             if role == "actor_rollout":
                 self.workers[role] = ActorRolloutWorker(self.spec, self.device, self.seed + self.instance)
             elif role == "reference":
-                self.workers[role] = ReferenceWorker(self.spec, self.device)
+                policy = self.workers.get("actor_rollout") if reference_in_policy(self.spec) else None
+                self.workers[role] = ReferenceWorker(self.spec, self.device, policy)
             elif role == "critic":
                 self.workers[role] = CriticWorker(self.spec, self.device, self.seed)
             elif role == "reward":
@@ -129,6 +132,11 @@ class WorkerHost:
 
     def policy_version(self) -> int:
         return self.workers["actor_rollout"].version
+
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's trained weights (adapters only under LoRA), for an export at the end of a run."""
+        weights: dict[str, torch.Tensor] = self.workers["actor_rollout"].weights()
+        return {k: v.detach().cpu() for k, v in weights.items()}
 
     # -- checkpoints ------------------------------------------------------------------------------
 

@@ -8,8 +8,10 @@ from pathlib import Path
 import torch
 
 from hybridflow.algos import entropy_from_logits, logprobs_from_logits
+from hybridflow.api.spec import ModelRef
 from hybridflow.hub import HubError, resolve_model_path
 from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.lora import adapter_weights, apply_lora, is_lora, load_adapter_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,6 +29,11 @@ def prepare_process() -> None:
     """Several workers share few cores: one thread each unless HYBRIDFLOW_TORCH_THREADS says otherwise;
     and no per-load progress bars or load reports from transformers in the training log."""
     torch.set_num_threads(int(os.environ.get("HYBRIDFLOW_TORCH_THREADS", "1")))
+    quiet_transformers()
+
+
+def quiet_transformers() -> None:
+    """No per-load progress bars or load reports from transformers."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -60,6 +67,34 @@ def load_causal_lm(path: str, dtype: str, device: torch.device) -> torch.nn.Modu
 
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     return model.to(device)
+
+
+def load_policy(ref: ModelRef, device: torch.device) -> torch.nn.Module:
+    """The policy's module: the model at spec.model.policy.path, under LoRA adapters when its lora is set."""
+    model = load_causal_lm(check_model_dir(ref.path, "spec.model.policy.path"), ref.dtype, device)
+    return apply_lora(model, ref.lora) if ref.lora is not None else model
+
+
+def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of the policy: the adapters of a LoRA policy, else every weight."""
+    return adapter_weights(model) if is_lora(model) else model.state_dict()
+
+
+def load_policy_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    if is_lora(model):
+        load_adapter_weights(model, weights)
+    else:
+        model.load_state_dict(weights)
+
+
+def model_skeleton(path: str) -> torch.nn.Module:
+    """The model's modules on the meta device: its layer names without loading (or allocating) a weight."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model: torch.nn.Module = AutoModelForCausalLM.from_config(config)
+    return model
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from hybridflow.api.spec import Evaluation, Rollout
 from hybridflow.data.chat import CHAT, FORMAT_KEY
 from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.lora import is_lora, merged_weights
 
 
 @dataclass(frozen=True)
@@ -209,8 +210,10 @@ class VllmRollout:
         return batch
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push the trained parameters into every vLLM worker through its public collective RPC."""
-        weights = [(name, p.detach()) for name, p in model.state_dict().items()]
+        """Push the trained parameters into every vLLM worker through its public collective RPC (a LoRA
+        policy's adapters merged into its base weights, under the base model's names)."""
+        state = merged_weights(model) if is_lora(model) else model.state_dict()
+        weights = [(name, p.detach()) for name, p in state.items()]
         self.llm.collective_rpc(_load_weights, args=(weights,))
 
 

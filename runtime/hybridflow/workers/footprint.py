@@ -1,0 +1,33 @@
+"""What training a model costs in memory beyond its weights: trainable parameters and optimizer state."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TrainingFootprint:
+    """Measured on a live model and optimizer (Adam's state exists once it has taken a step).
+
+    Adam keeps two moments per trainable value, so optimizer_state_bytes ~= 2 * trainable_params * 4 for float32
+    moments, plus one step counter per parameter tensor.
+    """
+
+    trainable_params: int
+    total_params: int
+    optimizer_state_bytes: int
+
+    def record(self, prefix: str) -> dict[str, float]:
+        """As metrics: `{prefix}_trainable_params`, `{prefix}_total_params`, `{prefix}_optimizer_state_bytes`."""
+        return {f"{prefix}_{k}": float(v) for k, v in asdict(self).items()}
+
+
+def training_footprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainingFootprint:
+    """Counts parameters that require grad, all parameters, and the bytes of every tensor in the optimizer's state."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor))
+    return TrainingFootprint(trainable, total, state)
