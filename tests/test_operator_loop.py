@@ -89,7 +89,9 @@ class MemoryKube:
         current = self.objects.get((kind, namespace, name))
         if current is None:
             raise api_error(404)
-        assert status and not json_patch, "only status patches are modelled"
+        if json_patch:
+            return self.put(apply_json_patch(current, body))
+        assert status, "only status patches and JSON patches are modelled"
         if body["metadata"]["resourceVersion"] != current["metadata"]["resourceVersion"]:
             raise api_error(409)
         merged = {k: v for k, v in {**(current.get("status") or {}), **body["status"]}.items() if v is not None}
@@ -97,6 +99,23 @@ class MemoryKube:
 
     def verbs(self) -> list[tuple[str, str]]:
         return [(verb, kind) for verb, kind, _ in self.requests]
+
+
+def apply_json_patch(obj: Mapping[str, Any], ops: list[dict]) -> dict:
+    """RFC 6902 add/remove/test on a copy, enough for the operator's RayJob patches."""
+    out = copy.deepcopy(dict(obj))
+    for op in ops:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        target: Any = out
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        if op["op"] == "test":
+            assert target[last] == op["value"], op
+        elif op["op"] == "remove":
+            del target[last]
+        else:
+            target[last] = op["value"]
+    return out
 
 
 def new_job(kube: MemoryKube, name: str = "ppo", **spec_changes: Any) -> dict:
@@ -481,6 +500,75 @@ def test_a_deleted_rayjob_is_recreated_after_reading_the_job_again() -> None:
     assert ("create", "RayJob", names.rayjob_name("ppo")) in loop.kube.requests
     assert ("create", "ConfigMap", names.config_map_name("ppo")) not in loop.kube.requests  # checked, not recreated
     assert loop.rayjob() is not None
+
+
+async def edited_rayjob(loop: Loop, path: tuple[str, ...], value: Any) -> None:
+    """Someone else edits the job's RayJob after the operator applied it; the watch delivers the change."""
+    rayjob = loop.rayjob()
+    assert rayjob is not None
+    edited = copy.deepcopy(rayjob)
+    *parents, last = path
+    target = edited
+    for part in parents:
+        target = target[part]
+    target[last] = value
+    stored = loop.kube.put(edited)
+    loop.kube.requests.clear()
+    loop.reconciler.rayjob_event(stored, "MODIFIED")
+    await loop.settle()
+
+
+def test_a_foreign_edit_of_the_rayjobs_ttl_is_restored() -> None:
+    async def scenario() -> tuple[Loop, Any]:
+        loop = Loop(MemoryKube())
+        loop.job_event(new_job(loop.kube), "ADDED")
+        await loop.settle()
+        rayjob = loop.rayjob()
+        assert rayjob is not None
+        ttl = rayjob["spec"]["ttlSecondsAfterFinished"]
+        await edited_rayjob(loop, ("spec", "ttlSecondsAfterFinished"), ttl + 999)
+        return loop, ttl
+
+    loop, ttl = run(scenario())
+    assert ("patch", "RayJob", names.rayjob_name("ppo")) in loop.kube.requests
+    assert ("create", "RayJob", names.rayjob_name("ppo")) not in loop.kube.requests
+    rayjob = loop.rayjob()
+    assert rayjob is not None and rayjob["spec"]["ttlSecondsAfterFinished"] == ttl
+
+
+def test_a_foreign_suspend_of_the_rayjob_stands_and_costs_no_request() -> None:
+    async def scenario() -> Loop:
+        loop = Loop(MemoryKube())
+        loop.job_event(new_job(loop.kube), "ADDED")
+        await loop.settle()
+        await edited_rayjob(loop, ("spec", "suspend"), True)  # Kueue preempting the workload
+        return loop
+
+    loop = run(scenario())
+    assert [r for r in loop.kube.requests if r[0] != "patch-status"] == []
+    rayjob = loop.rayjob()
+    assert rayjob is not None and rayjob["spec"]["suspend"] is True
+
+
+def test_a_rayjob_that_lost_the_job_label_gets_it_back() -> None:
+    async def scenario() -> Loop:
+        loop = Loop(MemoryKube())
+        loop.job_event(new_job(loop.kube), "ADDED")
+        await loop.settle()
+        rayjob = loop.rayjob()
+        assert rayjob is not None
+        unlabelled = copy.deepcopy(rayjob)
+        del unlabelled["metadata"]["labels"][names.JOB_LABEL]
+        loop.kube.put(unlabelled)
+        loop.kube.requests.clear()
+        loop.reconciler.rayjob_event(rayjob, "DELETED")  # the label-selected watch no longer sees it
+        await loop.settle()
+        return loop
+
+    loop = run(scenario())
+    assert ("create", "RayJob", names.rayjob_name("ppo")) in loop.kube.requests  # refused: it exists
+    rayjob = loop.rayjob()
+    assert rayjob is not None and rayjob["metadata"]["labels"][names.JOB_LABEL] == "ppo"
 
 
 def test_a_finished_jobs_rayjob_is_not_started_again() -> None:

@@ -14,7 +14,15 @@ from hybridflow.api import load_job
 from hybridflow.api import pod as pod_api
 from hybridflow.k8s import contract, names
 from hybridflow.k8s.errors import RenderError
-from hybridflow.k8s.patches import layout_changed, merge_patch, ownership_problem, rayjob_patch, stale_owner
+from hybridflow.k8s.patches import (
+    layout_changed,
+    merge_patch,
+    owned_state,
+    ownership_problem,
+    rayjob_patch,
+    restore_patch,
+    stale_owner,
+)
 from hybridflow.k8s.pods import cpu_slots
 from hybridflow.k8s.render import ENTRYPOINT, cluster_hash, render, render_children, render_manifests
 from hybridflow.k8s.settings import DEFAULT_GPU_PRODUCTS, RenderSettings, SettingsError, parse_gpu_products
@@ -543,6 +551,30 @@ def test_allowed_changes_become_json_patch_ops() -> None:
     assert {"op": "add", "path": "/spec/rayClusterSpec/workerGroupSpecs/0/maxReplicas", "value": 4} in ops
     assert {"op": "add", "path": "/metadata/annotations/hybridflow.io~1generation", "value": "2"} in ops
     assert not any("workerGroupSpecs/1" in op["path"] for op in ops)  # the critic group is not elastic
+
+
+def test_only_what_nobody_else_sets_is_restored_between_generations() -> None:
+    desired = rayjob_of(live(example()))
+    drifted = copy.deepcopy(desired)
+    drifted["spec"].update(suspend=True, ttlSecondsAfterFinished=5, activeDeadlineSeconds=60)  # Kueue; a user
+    drifted["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"] = 7
+    drifted["metadata"]["labels"][names.JOB_LABEL] = "other"
+    drifted["metadata"]["labels"]["team"] = "a"
+    ops = restore_patch(drifted, desired)
+    assert sorted(ops, key=lambda op: op["path"]) == [
+        {"op": "add", "path": "/metadata/labels/hybridflow.io~1job", "value": "qwen-gsm8k-ppo"},
+        {"op": "remove", "path": "/spec/activeDeadlineSeconds"},
+        {"op": "add", "path": "/spec/ttlSecondsAfterFinished", "value": desired["spec"]["ttlSecondsAfterFinished"]},
+    ]
+    assert restore_patch(desired, desired) == []
+    assert owned_state(drifted) != owned_state(desired)
+    kueue_only = copy.deepcopy(desired)
+    kueue_only["spec"]["suspend"] = True
+    assert owned_state(kueue_only) == owned_state(desired)
+    no_labels = copy.deepcopy(desired)
+    del no_labels["metadata"]["labels"]
+    assert restore_patch(no_labels, desired) == [
+        {"op": "add", "path": "/metadata/labels", "value": names.labels("qwen-gsm8k-ppo")}]
 
 
 def test_removing_the_deadline_removes_it() -> None:

@@ -14,7 +14,15 @@ from typing import Any
 from hybridflow.api import KIND
 from hybridflow.k8s import contract, names
 from hybridflow.k8s.errors import RenderError
-from hybridflow.k8s.patches import layout_changed, merge_patch, ownership_problem, rayjob_patch, stale_owner
+from hybridflow.k8s.patches import (
+    label_patch,
+    layout_changed,
+    merge_patch,
+    ownership_problem,
+    rayjob_patch,
+    restore_patch,
+    stale_owner,
+)
 from hybridflow.k8s.render import render
 from hybridflow.k8s.settings import RenderSettings
 from hybridflow_operator.machinery.client import ApiException, Kube, namespace_terminating
@@ -156,15 +164,17 @@ async def _create(kube: Kube, desired: Mapping[str, Any], urgent: bool) -> tuple
 
 async def _update_rayjob(kube: Kube, existing: dict, desired: Mapping[str, Any],
                          rollout_group: str | None) -> dict | None:
-    """Patch the allowed fields once per spec generation, so Kueue's or a user's later flips stand.
+    """Patch the allowed fields once per spec generation, so Kueue's or a user's later flips stand; in between,
+    restore only what nobody but the operator sets (patches.restore_patch).
 
     The patched RayJob, or None when there was nothing to do.
     """
     meta = desired["metadata"]
     for _ in range(CONFLICT_RETRIES):
         if _generation(existing) == _generation(desired):
-            return None
-        ops = rayjob_patch(existing, desired, rollout_group)
+            ops = restore_patch(existing, desired)
+        else:
+            ops = rayjob_patch(existing, desired, rollout_group) + label_patch(existing, desired)
         if not ops:
             return None
         try:

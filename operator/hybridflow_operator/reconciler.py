@@ -22,6 +22,7 @@ from typing import Any
 from hybridflow.api import KIND
 from hybridflow.k8s.errors import RenderError
 from hybridflow.k8s.names import JOB_API_VERSION
+from hybridflow.k8s.patches import owned_state
 from hybridflow_operator.apply import (
     CONFLICT_RETRIES,
     Applied,
@@ -69,6 +70,7 @@ class Reconciler:
         self.queue: WorkQueue[Key] = WorkQueue(self.process, min_interval=settings.status_min_interval,
                                                error_delay=RETRY_DELAY_S, observer=metrics)
         self._applied: dict[Key, Revision] = {}  # what this process has applied
+        self._owned: dict[Key, tuple[Any, ...]] = {}  # owned_state of each RayJob as this process left it
         self._stalled: dict[Key, Stalled] = {}
         self._recheck: set[Key] = set()  # read the job again before acting: its RayJob vanished
         self._reports: dict[Key, list[Report]] = {}  # Events waiting for the job's next status write
@@ -100,6 +102,8 @@ class Reconciler:
         if event_type == "DELETED" and key in self.observed.jobs:
             self._applied.pop(key, None)  # recreate it, unless the job is finished or going too
             self._recheck.add(key)
+        elif self._drifted(key):
+            self._applied.pop(key, None)  # someone else changed what only the operator sets: restore it
         self.queue.add(key)
 
     def pod_event(self, body: Mapping[str, Any], event_type: str | None) -> None:
@@ -164,6 +168,7 @@ class Reconciler:
                 self._announce(key, applied)
                 if applied.rayjob is not None:
                     self.observed.rayjob(applied.rayjob)
+                    self._owned[key] = owned_state(applied.rayjob)
                 if applied.created:
                     # KubeRay is about to write the new RayJob's first status: one status write for both
                     return self.settings.status_min_interval
@@ -279,11 +284,17 @@ class Reconciler:
                  key[0])
         self._terminating.add(key[0])
 
+    def _drifted(self, key: Key) -> bool:
+        """The latest RayJob seen differs from this process's last apply in what only the operator sets."""
+        rayjob, owned = self.observed.rayjobs.get(key), self._owned.get(key)
+        return key in self._applied and rayjob is not None and owned is not None and owned_state(rayjob) != owned
+
     def _has_jobs(self, namespace: str) -> bool:
         return any(ns == namespace for ns, _ in self.observed.jobs)
 
     def _forget(self, key: Key) -> None:
         self._applied.pop(key, None)
+        self._owned.pop(key, None)
         self._reports.pop(key, None)
         self._stalled.pop(key, None)
         self._recheck.discard(key)

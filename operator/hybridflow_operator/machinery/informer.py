@@ -91,6 +91,7 @@ class Informer:
                 version = await self._watch(version)
                 backoff = 1.0
             except Expired:
+                log.info("watching %s: resourceVersion %s expired (410 Gone); listing again", self.name, version)
                 version = None
             except (TimeoutError, ApiException, aiohttp.ClientError, ValueError) as e:
                 detail = f"API error {e.status}: {api_message(e)}" if isinstance(e, ApiException) else repr(e)

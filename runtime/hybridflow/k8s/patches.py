@@ -1,7 +1,9 @@
 """What may change on children that already exist, as patches. Pure.
 
 A running RayJob takes only a few changes (KubeRay ignores the rest of rayClusterSpec after
-creation): suspend, the TTL and deadline, and the replicas of the rollout worker group. The
+creation): suspend, the TTL and deadline, and the replicas of the rollout worker group. They are applied
+once per spec generation, so Kueue's suspend and a user's scaling stand; what only the operator sets (the
+TTL, the deadline and its labels, which the RayJob watch selects on) is restored whenever it drifts. The
 ConfigMap, the Role and the NetworkPolicy are replaced wholesale by their desired content. The ServiceAccount's
 annotations (workload identity) are added or changed, never removed: cloud controllers and admins
 annotate it too, and the operator keeps no record of which keys were its own.
@@ -12,9 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hybridflow.k8s.names import CLUSTER_HASH_ANNOTATION, GENERATION_ANNOTATION
+from hybridflow.k8s.names import CLUSTER_HASH_ANNOTATION, GENERATION_ANNOTATION, labels
 
 RAYJOB_FIELDS = ("suspend", "ttlSecondsAfterFinished", "activeDeadlineSeconds")
+RESTORED_FIELDS = ("ttlSecondsAfterFinished", "activeDeadlineSeconds")  # of RAYJOB_FIELDS, nobody else's
+OWN_LABELS = tuple(labels(""))
 REPLICA_FIELDS = ("replicas", "minReplicas", "maxReplicas")
 MERGED_FIELDS = {"ConfigMap": ("data",), "Role": ("rules",), "RoleBinding": ("subjects",), "NetworkPolicy": ("spec",)}
 ANNOTATED_KINDS = ("ServiceAccount",)
@@ -85,6 +89,35 @@ def rayjob_patch(existing: Mapping[str, Any], desired: Mapping[str, Any], rollou
             ops.append({"op": "add", "path": f"/metadata/annotations/{_escape(GENERATION_ANNOTATION)}",
                         "value": generation})
     return ops
+
+
+def label_patch(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> list[dict]:
+    """JSON patch putting back the operator's labels (OWN_LABELS) that differ; other labels stay."""
+    have = existing.get("metadata", {}).get("labels")
+    want = desired["metadata"].get("labels") or {}
+    changed = {k: v for k, v in want.items() if k in OWN_LABELS and (have or {}).get(k) != v}
+    if not changed:
+        return []
+    if have is None:
+        return [{"op": "add", "path": "/metadata/labels", "value": changed}]
+    return [{"op": "add", "path": f"/metadata/labels/{_escape(k)}", "value": v} for k, v in changed.items()]
+
+
+def restore_patch(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> list[dict]:
+    """JSON patch restoring what only the operator sets on a RayJob of the current generation: RESTORED_FIELDS
+    and its labels; [] when nothing drifted."""
+    ops: list[dict] = []
+    have, want = existing.get("spec") or {}, desired["spec"]
+    for key in RESTORED_FIELDS:
+        _set(ops, f"/spec/{key}", have.get(key), want.get(key))
+    return ops + label_patch(existing, desired)
+
+
+def owned_state(rayjob: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What restore_patch restores, as the RayJob has it: a change by someone else shows as a new value."""
+    spec = rayjob.get("spec") or {}
+    have = rayjob.get("metadata", {}).get("labels") or {}
+    return (*(spec.get(key) for key in RESTORED_FIELDS), *(have.get(key) for key in OWN_LABELS))
 
 
 def layout_changed(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
