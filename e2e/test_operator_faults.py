@@ -53,6 +53,7 @@ def test_an_api_server_restart_mid_burst_needs_no_operator_restart(rig: faults.R
     detail = row["detail"]
     assert detail["same_pid"], explain(rig, row)
     assert detail["liveness_ok"] == detail["liveness_probes"] > 0, explain(rig, row)  # alive while cut off
+    assert detail["created_while_down"] > 0  # and those jobs, which it learnt of only afterwards, converged too
     assert (row["survived"], row["duplicates"], row["losses"]) == (1, 0, 0), explain(rig, row)
 
 

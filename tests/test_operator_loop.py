@@ -566,7 +566,8 @@ def test_a_rayjob_that_lost_the_job_label_gets_it_back() -> None:
         return loop
 
     loop = run(scenario())
-    assert ("create", "RayJob", names.rayjob_name("ppo")) in loop.kube.requests  # refused: it exists
+    assert ("patch", "RayJob", names.rayjob_name("ppo")) in loop.kube.requests
+    assert ("create", "RayJob", names.rayjob_name("ppo")) not in loop.kube.requests  # read first: it still exists
     rayjob = loop.rayjob()
     assert rayjob is not None and rayjob["metadata"]["labels"][names.JOB_LABEL] == "ppo"
 

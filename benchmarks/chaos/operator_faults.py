@@ -73,6 +73,7 @@ OUTAGE_S = 5.0  # how long an API server or etcd stays down
 QUIET_S = 25.0  # watched after a namespace deletion: what the operator does must stop in the first half (12.5 s,
 # more than its 10 s retry delay, so a retry loop would show in the second)
 PROBE_TRIES = 3  # a liveness probe fails after this many unanswered tries in a row (Kubernetes' failureThreshold)
+REFUSED_PER_JOB = 2 * len(CHILD_RESOURCES)  # creates a deleted namespace may refuse per job: its children, Events
 CREATE_THREADS = 8
 JOB_API = f"/apis/{names.JOB_API_VERSION}"
 RAYJOB_API = "/apis/ray.io/v1"
@@ -332,7 +333,7 @@ class Rig:
     def clear(self, namespace: str, children_first: bool = False) -> None:
         """Delete every job of the namespace and every child, as the garbage collector (or the namespace
         controller, `children_first`) would."""
-        jobs = [(JOB_API, "rltrainingjobs", {})]
+        jobs: list[tuple[str, str, dict[str, str]]] = [(JOB_API, "rltrainingjobs", {})]
         kids = [(PATHS[p], p, {"labelSelector": names.JOB_LABEL}) for p in CHILD_RESOURCES]
         for api, plural, query in (kids + jobs) if children_first else (jobs + kids):
             self.rest("DELETE", f"{api}/namespaces/{namespace}/{plural}", query=query)
@@ -425,49 +426,53 @@ def operator_kill(rig: Rig, rounds: int, jobs: int) -> dict[str, Any]:
 
 
 def _outage(rig: Rig, kind: str, jobs: int, stop: Callable[[], Any], start: Callable[[Any], None],
-            burst_first: bool) -> dict[str, Any]:
-    """A burst; the component down for OUTAGE_S in the middle (the burst goes on when it can); converged from
-    the moment it is back. The operator must keep its PID and answer its liveness probe throughout."""
+            writable: bool) -> dict[str, Any]:
+    """A burst, and the component stopped a moment into it, while the operator works through the jobs; down for
+    OUTAGE_S (when the control plane stays `writable`, the second half of the burst is created meanwhile);
+    converged from the moment it is back. The operator must keep its PID and answer its liveness probe
+    throughout."""
     ns = rig.namespace(kind.split("_")[0])
     pid = rig.operator.proc.pid if rig.operator.proc else None
     lists_before = rig.lists()
     mark = len(rig.log_text())
-    burst = rig.burst(ns, jobs)
-    if burst_first:
-        burst.wait()
-    time.sleep(rig.rng.uniform(0.5, 2.0))
+    first = rig.burst(ns, jobs // 2 if writable else jobs)
+    if not writable:
+        first.wait()  # etcd down refuses every write: the burst is in, the operator still working on it
+    time.sleep(rig.rng.uniform(0.1, 0.6))
     stopped = stop()
+    down_from = time.monotonic()
+    second = rig.burst(ns, jobs - jobs // 2, prefix="late") if writable else None
     probes = answered = 0
-    down_until = time.monotonic() + OUTAGE_S
-    while time.monotonic() < down_until:
+    while time.monotonic() < down_from + OUTAGE_S:
         probes += 1
         answered += any(http_ok(rig.operator.liveness) for _ in range(PROBE_TRIES))
         time.sleep(0.5)
     start(stopped)
     back = time.monotonic()
-    errors = burst.wait()
-    seconds, seen = rig.converge(ns, burst.names, back)
-    after = rig.settled(ns, burst.names)
+    errors = first.wait() + (second.wait() if second else [])
+    expected = first.names + (second.names if second else [])
+    seconds, seen = rig.converge(ns, expected, back)
+    after = rig.settled(ns, expected)
     same_pid = rig.operator.alive() and rig.operator.proc is not None and rig.operator.proc.pid == pid
-    ok = seconds is not None and after.done(burst.names) and same_pid and answered == probes and not errors
-    log(f"{kind}: converged {took(seconds)} after it came back; "
-        f"liveness {answered}/{probes}; same PID {same_pid}")
-    detail = {"jobs": jobs, "outage_s": OUTAGE_S, "same_pid": same_pid, "liveness_ok": answered,
-              "liveness_probes": probes, "relists": rig.lists() - lists_before if same_pid else None,
+    ok = seconds is not None and after.done(expected) and same_pid and answered == probes and not errors
+    log(f"{kind}: converged {took(seconds)} after it came back; liveness {answered}/{probes}; same PID {same_pid}")
+    detail = {"jobs": jobs, "created_while_down": len(second.names) if second else 0, "outage_s": OUTAGE_S,
+              "same_pid": same_pid, "liveness_ok": answered, "liveness_probes": probes,
+              "relists": rig.lists() - lists_before if same_pid else None,
               "expired_watches": lines_since(rig.log_text(), mark, EXPIRED), "create_errors": errors[:3]}
     rig.clear(ns)
     return row(kind, 1, int(ok), max(seen.duplicates, after.duplicates),
-               len(burst.names) - len(after.converged & frozenset(burst.names)),
+               len(expected) - len(after.converged & frozenset(expected)),
                [seconds] if seconds is not None else [], detail)
 
 
 def apiserver_restart(rig: Rig, jobs: int) -> dict[str, Any]:
     return _outage(rig, "apiserver_restart", jobs, lambda: rig.apiserver.stop(), lambda _: rig.apiserver.start(),
-                   burst_first=False)
+                   writable=True)
 
 
 def etcd_restart(rig: Rig, jobs: int) -> dict[str, Any]:
-    return _outage(rig, "etcd_restart", jobs, rig.stop_etcd, rig.start_etcd, burst_first=True)
+    return _outage(rig, "etcd_restart", jobs, rig.stop_etcd, rig.start_etcd, writable=False)
 
 
 def watch_expired(rig: Rig, jobs: int) -> dict[str, Any]:
@@ -550,42 +555,48 @@ def foreign_edit(rig: Rig, jobs: int) -> dict[str, Any]:
 
     quiet = namespace_deletion(rig, jobs)
     restored = sum(v is not None for v in outcomes.values())
-    return row("foreign_edit", 4, restored + int(quiet["ok"]), after.duplicates + quiet["children_left"],
-               len(outcomes) - restored, samples, {**outcomes, "namespace_deletion": quiet})
+    return row("foreign_edit", len(outcomes) + 1, restored + int(quiet["ok"]), after.duplicates,
+               len(outcomes) - restored + after.missing, samples, {**outcomes, "namespace_deletion": quiet})
 
 
 def namespace_deletion(rig: Rig, jobs: int) -> dict[str, Any]:
-    """A burst, the namespace deleted while the operator works on it, then its content deleted the way the
-    namespace controller does (children first: the operator sees its RayJobs vanish under live jobs). What the
-    operator does about that namespace afterwards must stay bounded and stop within QUIET_S / 2."""
+    """A burst, and its namespace deleted the moment the last job is in, while the operator still works on them;
+    then the namespace's content goes the way the namespace controller takes it: the children first, the jobs a
+    moment later (the operator sees RayJobs vanish under live jobs). What the operator does about the namespace
+    must stay bounded and stop within QUIET_S / 2."""
     ns = rig.namespace("nsdel")
-    burst = rig.burst(ns, jobs)
-    burst.wait()
-    time.sleep(rig.rng.uniform(0.5, 2.0))
     before_403 = rig.metric("hybridflow_operator_api_requests_total", code="403")
     mark = len(rig.log_text())
+    burst = rig.burst(ns, jobs)
+    burst.wait()
     rig.rest("DELETE", f"/api/v1/namespaces/{ns}")
     deleted, since = time.monotonic(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    rig.clear(ns, children_first=True)
+    rayjobs = len(rig.children(ns)["rayjobs"])
     time.sleep(1.0)
-    rig.clear(ns, children_first=True)  # and again, as the namespace controller does until the namespace is empty
+    for plural in CHILD_RESOURCES:
+        rig.rest("DELETE", f"{PATHS[plural]}/namespaces/{ns}/{plural}", query={"labelSelector": names.JOB_LABEL})
+    time.sleep(3.0)
+    rig.clear(ns, children_first=True)  # the jobs, and whatever is left: the controller goes on until it is empty
     time.sleep(max(0.0, deleted + QUIET_S / 2 - time.monotonic()))
     half_403 = rig.metric("hybridflow_operator_api_requests_total", code="403")
     half_lines = lines_since(rig.log_text(), mark, PROBLEM, ns)
     time.sleep(max(0.0, deleted + QUIET_S - time.monotonic()))
     end_403 = rig.metric("hybridflow_operator_api_requests_total", code="403")
     problem_lines = lines_since(rig.log_text(), mark, PROBLEM, ns)
+    let_go = lines_since(rig.log_text(), mark, re.compile("is being deleted"), ns)
     left = sum(len(items) for items in rig.children(ns).values())
     events = (rig.rest("GET", f"/api/v1/namespaces/{ns}/events") or {"items": []})["items"]
     late_events = [e for e in events if e.get("reportingComponent") == "hybridflow-operator"
                    and (e.get("lastTimestamp") or "") >= since]
     refused = end_403 - before_403
-    ok = (left == 0 and end_403 == half_403 and problem_lines == half_lines and refused <= len(CHILD_RESOURCES) * jobs
+    ok = (left == 0 and end_403 == half_403 and problem_lines == half_lines and refused <= REFUSED_PER_JOB * jobs
           and problem_lines <= jobs and rig.operator.alive())
-    log(f"namespace deletion: {refused:.0f} creates refused, {problem_lines} warnings about it, {left} children "
-        f"left; quiet in the second half: {end_403 == half_403 and problem_lines == half_lines}")
-    return {"ok": ok, "jobs": jobs, "refused_creates": refused, "refused_in_second_half": end_403 - half_403,
-            "warning_lines": problem_lines, "warning_lines_in_second_half": problem_lines - half_lines,
+    log(f"namespace deletion: {rayjobs} RayJobs when it was deleted, {refused:.0f} creates refused, {problem_lines} "
+        f"warnings about it, {left} children left; quiet in the second half: "
+        f"{end_403 == half_403 and problem_lines == half_lines}")
+    return {"ok": ok, "jobs": jobs, "rayjobs_at_deletion": rayjobs, "refused_creates": refused,
+            "refused_in_second_half": end_403 - half_403, "warning_lines": problem_lines,
+            "warning_lines_in_second_half": problem_lines - half_lines, "noted_terminating": let_go,
             "children_left": left, "operator_events_after_deletion": len(late_events), "window_s": QUIET_S}
 
 
