@@ -67,14 +67,14 @@ def test_duplicates_losses_and_strays_are_counted_per_kind() -> None:
     jobs = {"a": reported(a, kids_a["rayjobs"][0]), "b": reported(b, kids_b["rayjobs"][0])}
     clean = assess(["a", "b"], jobs, merged(kids_a, kids_b))
     assert (clean.converged, clean.duplicates, clean.missing, clean.strays) == ({"a", "b"}, 0, 0, 0)
-    assert clean.done(["a", "b"])
+    assert clean.done(["a", "b"]) and clean.children_complete
 
     doubled = merged(kids_a, kids_b)
     doubled["configmaps"].append(copy.deepcopy(kids_a["configmaps"][0]))  # a second ConfigMap of job a
     del doubled["rayjobs"][1]  # job b lost its RayJob
     seen = assess(["a", "b"], jobs, doubled)
     assert (seen.converged, seen.duplicates, seen.missing, seen.strays) == (frozenset(), 1, 1, 0)
-    assert not seen.done(["a", "b"])
+    assert not seen.done(["a", "b"]) and not seen.children_complete
 
     only_a = assess(["a"], {"a": jobs["a"]}, merged(kids_a, kids_b))  # job b was deleted, its children stayed
     assert (only_a.converged, only_a.strays) == ({"a"}, 5)

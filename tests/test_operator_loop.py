@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 
@@ -50,7 +51,7 @@ class MemoryKube:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str], dict] = {}
         self.requests: list[tuple[str, str, str]] = []
-        self.refuse: dict[tuple[str, str], ApiException] = {}  # (verb, kind) -> error to raise
+        self.refuse: dict[tuple[str, str], Exception] = {}  # (verb, kind) -> error to raise
         self.urgent: list[tuple[str, str]] = []  # (verb, kind) of the requests sent as urgent
         self._rv = 100
 
@@ -785,6 +786,20 @@ def test_an_api_error_retries_later() -> None:
         return await loop.reconciler.process(key)
 
     assert run(scenario()) == RETRY_DELAY_S
+
+
+def test_an_unreachable_api_server_retries_later_with_one_warning_line(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> float | None:
+        loop = Loop(MemoryKube())
+        loop.kube.refuse[("create", "RayJob")] = aiohttp.ServerDisconnectedError()
+        key = loop.observe_job(new_job(loop.kube))
+        return await loop.reconciler.process(key)
+
+    with caplog.at_level(logging.WARNING):
+        assert run(scenario()) == RETRY_DELAY_S
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert record.levelno == logging.WARNING and record.exc_info is None
+    assert "no answer: ServerDisconnectedError" in record.getMessage()
 
 
 def test_a_status_conflict_is_recomputed_from_the_job_read_again() -> None:

@@ -117,6 +117,11 @@ class Assessment:
     def done(self, expected: Iterable[str]) -> bool:
         return self.converged >= frozenset(expected) and self.duplicates == 0 and self.strays == 0
 
+    @property
+    def children_complete(self) -> bool:
+        """Every expected job has each child exactly once (its status may still be on its way)."""
+        return self.missing == 0 and self.duplicates == 0 and self.strays == 0
+
 
 def assess(expected: Iterable[str], jobs: Mapping[str, Mapping[str, Any]],
            children: Mapping[str, Sequence[Mapping[str, Any]]]) -> Assessment:
@@ -234,6 +239,7 @@ class Rig:
         self.bursts = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="burst")
         self.creates = concurrent.futures.ThreadPoolExecutor(CREATE_THREADS, thread_name_prefix="create")
         self.op: OperatorProcess | None = None
+        self.children_s: float | None = None  # of the last converge()
 
     def start(self) -> Rig:
         self.apiserver.start()
@@ -302,12 +308,16 @@ class Rig:
                  until: Callable[[], bool] = lambda: True, timeout: float = CONVERGE_S) -> tuple[float | None,
                                                                                                   Assessment]:
         """Seconds from `since` (monotonic) until every expected job converged (and `until()`), with the last
-        look; None for the seconds if that never happened within `timeout`."""
+        look; None for the seconds if that never happened within `timeout`. `children_s` keeps when the children
+        were complete: the statuses follow at the operator's pace for status writes."""
         deadline = time.monotonic() + timeout
+        self.children_s = None
         while True:
             seen: Assessment | None = None
             with contextlib.suppress(ApiException, HTTPError, OSError):  # etcd may still be coming back
                 seen = self.look(namespace, expected)
+                if self.children_s is None and seen.children_complete:
+                    self.children_s = time.monotonic() - since
                 if seen.done(expected) and until():
                     return time.monotonic() - since, seen
             if time.monotonic() > deadline:
@@ -417,7 +427,7 @@ def operator_kill(rig: Rig, rounds: int, jobs: int) -> dict[str, Any]:
         if seconds is not None:
             samples.append(seconds)
         rounds_out.append({"kill_after_s": round(delay, 2), "rayjobs_at_kill": moved, "converged_s": rounded(seconds),
-                           "create_errors": errors[:3]})
+                           "children_complete_s": rounded(rig.children_s), "create_errors": errors[:3]})
         log(f"operator_kill round {i + 1}/{rounds}: killed {delay:.1f}s into the burst ({moved} RayJobs by then), "
             f"converged {took(seconds)}")
         rig.clear(ns)
@@ -456,7 +466,8 @@ def _outage(rig: Rig, kind: str, jobs: int, stop: Callable[[], Any], start: Call
     same_pid = rig.operator.alive() and rig.operator.proc is not None and rig.operator.proc.pid == pid
     ok = seconds is not None and after.done(expected) and same_pid and answered == probes and not errors
     log(f"{kind}: converged {took(seconds)} after it came back; liveness {answered}/{probes}; same PID {same_pid}")
-    detail = {"jobs": jobs, "created_while_down": len(second.names) if second else 0, "outage_s": OUTAGE_S,
+    detail = {"jobs": jobs, "children_complete_s": rounded(rig.children_s),
+              "created_while_down": len(second.names) if second else 0, "outage_s": OUTAGE_S,
               "same_pid": same_pid, "liveness_ok": answered, "liveness_probes": probes,
               "relists": rig.lists() - lists_before if same_pid else None,
               "expired_watches": lines_since(rig.log_text(), mark, EXPIRED), "create_errors": errors[:3]}
@@ -511,7 +522,8 @@ def watch_expired(rig: Rig, jobs: int) -> dict[str, Any]:
     return row("watch_expired", 1, int(ok), max(seen.duplicates, after.duplicates),
                len(expected) - len(after.converged & frozenset(expected)) + after.strays,
                [seconds] if seconds is not None else [],
-               {"jobs": jobs, "deleted_meanwhile": len(gone), "created_meanwhile": len(second.names),
+               {"jobs": jobs, "children_complete_s": rounded(rig.children_s), "deleted_meanwhile": len(gone),
+                "created_meanwhile": len(second.names),
                 "rayjob_lost_meanwhile": lost, "compacted_at_revision": revision, "expired_watches": expired,
                 "relists": relists, "same_pid": same_pid, "create_errors": errors[:3]})
 

@@ -32,7 +32,14 @@ from hybridflow_operator.apply import (
     status_patch,
     write_status,
 )
-from hybridflow_operator.machinery.client import ApiException, Kube, api_message, namespace_terminating
+from hybridflow_operator.machinery.client import (
+    UNREACHABLE,
+    ApiException,
+    Kube,
+    api_message,
+    failure,
+    namespace_terminating,
+)
 from hybridflow_operator.machinery.ratelimit import TokenBucket
 from hybridflow_operator.machinery.workqueue import WorkQueue
 from hybridflow_operator.metrics import OperatorMetrics
@@ -123,9 +130,8 @@ class Reconciler:
         if key in self._recheck:
             try:
                 fresh = await self.kube.get(JOB_API_VERSION, KIND, *key)
-            except ApiException as e:
-                log.warning("reading %s/%s: API error %s: %s; retrying in %.0f s", *key, e.status, api_message(e),
-                            RETRY_DELAY_S)
+            except (ApiException, *UNREACHABLE) as e:
+                log.warning("reading %s/%s: %s; retrying in %.0f s", *key, failure(e), RETRY_DELAY_S)
                 return RETRY_DELAY_S
             self._recheck.discard(key)
             if fresh is None:
@@ -156,12 +162,14 @@ class Reconciler:
                     self._namespace_terminating(key)
                     return None
                 if e.status != 422:
-                    log.warning("applying %s/%s: API error %s: %s; retrying in %.0f s", *key, e.status,
-                                api_message(e), RETRY_DELAY_S)
+                    log.warning("applying %s/%s: %s; retrying in %.0f s", *key, failure(e), RETRY_DELAY_S)
                     return RETRY_DELAY_S
                 # the API server refused a child we rendered: retrying cannot help
                 problem = RenderError("spec", "ChildRejected", api_message(e))
                 self._stalled[key] = Stalled(revision, problem)
+            except UNREACHABLE as e:  # an API server restarting: no bug, no traceback
+                log.warning("applying %s/%s: %s; retrying in %.0f s", *key, failure(e), RETRY_DELAY_S)
+                return RETRY_DELAY_S
             else:
                 self._applied[key] = revision
                 self._stalled.pop(key, None)
@@ -174,9 +182,8 @@ class Reconciler:
                     return self.settings.status_min_interval
         try:
             await self._sync_status(key, job, problem)
-        except ApiException as e:
-            log.warning("status of %s/%s: API error %s: %s; retrying in %.0f s", *key, e.status, api_message(e),
-                        RETRY_DELAY_S)
+        except (ApiException, *UNREACHABLE) as e:
+            log.warning("status of %s/%s: %s; retrying in %.0f s", *key, failure(e), RETRY_DELAY_S)
             return RETRY_DELAY_S
         return retry
 

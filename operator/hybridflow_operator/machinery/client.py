@@ -42,7 +42,10 @@ WATCH_SILENCE_S = 120  # a watch asks for bookmarks, which the API server sends 
 RequestHook = Callable[[str, int | None], None]
 """Told of every request: its verb (get, list, watch, create, patch) and HTTP status, None without an answer."""
 
-__all__ = ["ApiException", "Kube", "load_configuration", "namespace_terminating"]
+UNREACHABLE: tuple[type[Exception], ...] = (aiohttp.ClientError, TimeoutError)
+"""What a request raises when no answer came: the API server is down, restarting or out of reach."""
+
+__all__ = ["UNREACHABLE", "ApiException", "Kube", "failure", "load_configuration", "namespace_terminating"]
 
 
 def load_configuration() -> client.Configuration:
@@ -72,6 +75,11 @@ def namespace_terminating(e: BaseException) -> bool:
     causes = (body.get("details") or {}).get("causes") or []
     return (any(c.get("reason") == "NamespaceTerminating" for c in causes)
             or "because it is being terminated" in str(body.get("message") or ""))
+
+
+def failure(e: BaseException) -> str:
+    """What went wrong with a request, for a log line: the API server's answer, or that none came."""
+    return f"API error {e.status}: {api_message(e)}" if isinstance(e, ApiException) else f"no answer: {e!r}"
 
 
 def api_message(e: ApiException) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from hybridflow_operator.machinery.client import ApiException, Kube, api_message
+from hybridflow_operator.machinery.client import ApiException, Kube, failure
 
 OnEvent = Callable[[Mapping[str, Any], str], None]  # (object, ADDED | MODIFIED | DELETED)
 Key = tuple[str, str]  # (namespace, name)
@@ -94,8 +94,7 @@ class Informer:
                 log.info("watching %s: resourceVersion %s expired (410 Gone); listing again", self.name, version)
                 version = None
             except (TimeoutError, ApiException, aiohttp.ClientError, ValueError) as e:
-                detail = f"API error {e.status}: {api_message(e)}" if isinstance(e, ApiException) else repr(e)
-                log.warning("watching %s: %s; retrying in %.0f s", self.name, detail, backoff)
+                log.warning("watching %s: %s; retrying in %.0f s", self.name, failure(e), backoff)
                 if isinstance(e, ApiException):
                     version = None  # refused (a missing CRD, RBAC): start over from a list
                 await asyncio.sleep(backoff)
