@@ -33,6 +33,7 @@ from hybridflow_operator.apply import (
     write_status,
 )
 from hybridflow_operator.machinery.client import (
+    REQUEST_FAILED,
     UNREACHABLE,
     ApiException,
     Kube,
@@ -130,7 +131,7 @@ class Reconciler:
         if key in self._recheck:
             try:
                 fresh = await self.kube.get(JOB_API_VERSION, KIND, *key)
-            except (ApiException, *UNREACHABLE) as e:
+            except REQUEST_FAILED as e:
                 log.warning("reading %s/%s: %s; retrying in %.0f s", *key, failure(e), RETRY_DELAY_S)
                 return RETRY_DELAY_S
             self._recheck.discard(key)
@@ -182,7 +183,7 @@ class Reconciler:
                     return self.settings.status_min_interval
         try:
             await self._sync_status(key, job, problem)
-        except (ApiException, *UNREACHABLE) as e:
+        except REQUEST_FAILED as e:
             log.warning("status of %s/%s: %s; retrying in %.0f s", *key, failure(e), RETRY_DELAY_S)
             return RETRY_DELAY_S
         return retry

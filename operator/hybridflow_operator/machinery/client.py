@@ -42,10 +42,13 @@ WATCH_SILENCE_S = 120  # a watch asks for bookmarks, which the API server sends 
 RequestHook = Callable[[str, int | None], None]
 """Told of every request: its verb (get, list, watch, create, patch) and HTTP status, None without an answer."""
 
-UNREACHABLE: tuple[type[Exception], ...] = (aiohttp.ClientError, TimeoutError)
+UNREACHABLE = (aiohttp.ClientError, TimeoutError)
 """What a request raises when no answer came: the API server is down, restarting or out of reach."""
+REQUEST_FAILED = (ApiException, aiohttp.ClientError, TimeoutError)
+"""What a request raises when it failed: the API server refused it, or no answer came (UNREACHABLE)."""
 
-__all__ = ["UNREACHABLE", "ApiException", "Kube", "failure", "load_configuration", "namespace_terminating"]
+__all__ = ["REQUEST_FAILED", "UNREACHABLE", "ApiException", "Kube", "failure", "load_configuration",
+           "namespace_terminating"]
 
 
 def load_configuration() -> client.Configuration:
