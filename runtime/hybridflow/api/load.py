@@ -64,16 +64,31 @@ def problems_from(error: ValidationError) -> list[str]:
     return out
 
 
+INT64 = 2**63
+JSON_INTEGRAL = 2**53
+"""The largest float the API server still takes for an integer (go-openapi's IsFloat64AJSONInteger)."""
+
+
 def as_json(value: Any, path: str = "", problems: list[str] | None = None) -> Any:
-    """The document as the API server reads its JSON: one kind of number, so 2.0 is the integer 2; NaN and the
-    infinities, which YAML can write and JSON cannot, are problems (appended to `problems`)."""
+    """The document's numbers as the API server reads its JSON: an integer beyond 64 bits is a float, a float
+    with no fraction (2.0, up to 2^53) an integer; NaN and the infinities, which YAML can write and JSON cannot,
+    are problems (appended to `problems`)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if -INT64 <= value < INT64:
+            return value
+        try:
+            return float(value)
+        except OverflowError:
+            value = math.inf
     if isinstance(value, float):
         if not math.isfinite(value):
             if problems is not None:
                 problems.append(f"{path or '(document)'}: {value} is not a number a Kubernetes object can hold "
                                 "(JSON has no NaN or infinity)")
             return value
-        return int(value) if value.is_integer() else value
+        return int(value) if value.is_integer() and abs(value) <= JSON_INTEGRAL else value
     if isinstance(value, dict):
         return {k: as_json(v, f"{path}.{k}" if path else str(k), problems) for k, v in value.items()}
     if isinstance(value, list):
