@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from tests.graph_rules import RULES
+from tests.helpers import minimal_apiserver
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -42,3 +44,14 @@ def float64_by_default() -> Iterator[None]:
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
+
+
+@pytest.fixture(scope="module")
+def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """etcd + kube-apiserver with only the RLTrainingJob CRD installed (generated now, not read from disk)."""
+    from hybridflow.api import crd as crdgen
+
+    crd_dir = tmp_path_factory.mktemp("crd")
+    (crd_dir / crdgen.CRD_FILE).write_text(crdgen.render_crd_yaml())
+    with minimal_apiserver(tmp_path_factory, [crd_dir / crdgen.CRD_FILE]) as cp:
+        yield cp

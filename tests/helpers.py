@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import shlex
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,58 @@ def minimal_apiserver(tmp_path_factory: pytest.TempPathFactory, crd_files: Seque
         yield cp
     finally:
         cp.stop()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the API server said to a create: admitted with the object it would store, or refused and why."""
+
+    admitted: bool
+    body: dict[str, Any]
+
+    @property
+    def message(self) -> str:
+        return str(self.body.get("message", ""))
+
+
+class DryRun:
+    """Dry-run creates of RLTrainingJobs over one kept-alive HTTPS connection: the API server's whole admission
+    (strict field validation, schema, defaults, CEL rules) and nothing stored; a few ms each, where a kubectl
+    process costs a few hundred."""
+
+    def __init__(self, cp: Any, namespace: str = "default") -> None:
+        from hybridflow.api import API_GROUP, API_VERSION, PLURAL
+
+        url = urllib.parse.urlsplit(cp.server)
+        self._host, self._port = url.hostname or "127.0.0.1", url.port or 443
+        self._context = cp.admin_tls_context()
+        self._path = (f"/apis/{API_GROUP}/{API_VERSION}/namespaces/{namespace}/{PLURAL}"
+                      "?dryRun=All&fieldValidation=Strict")
+        self._conn: http.client.HTTPSConnection | None = None
+
+    def create(self, obj: Mapping[str, Any]) -> Verdict:
+        body = json.dumps(obj, allow_nan=False).encode()
+        for attempt in range(2):
+            if self._conn is None:
+                self._conn = http.client.HTTPSConnection(self._host, self._port, context=self._context, timeout=30)
+            try:
+                self._conn.request("POST", self._path, body, {"Content-Type": "application/json"})
+                response = self._conn.getresponse()
+                status, answer = response.status, json.loads(response.read() or b"{}")
+                break
+            except (OSError, http.client.HTTPException):
+                self.close()  # the server closed an idle connection: once more on a new one
+                if attempt:
+                    raise
+        if status in (400, 422):
+            return Verdict(False, answer)
+        assert status == 201, f"dry-run create answered {status}: {answer}"
+        return Verdict(True, answer)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 POD_STORAGE_FIELDS = ("volumes", "volumeMounts", "env", "envFrom")

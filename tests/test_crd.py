@@ -25,7 +25,7 @@ import yaml
 
 from hybridflow.api import crd as crdgen
 from hybridflow.api.spec import RLTrainingJobSpec
-from tests.helpers import BAD_POD_SETTINGS, HUB_NAMES, BadPodSetting, HubName, hub_name_spec, minimal_apiserver
+from tests.helpers import BAD_POD_SETTINGS, HUB_NAMES, BadPodSetting, HubName, hub_name_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS_DIR = ROOT / "crds"
@@ -445,15 +445,6 @@ def test_null_keeps_meaning_where_the_model_gives_it_one(
 
 
 # -- admission on a real API server -----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def apiserver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """etcd + kube-apiserver with only this CRD installed (generated now, not read from disk)."""
-    crd_dir = tmp_path_factory.mktemp("crd")
-    (crd_dir / crdgen.CRD_FILE).write_text(crdgen.render_crd_yaml())
-    with minimal_apiserver(tmp_path_factory, [crd_dir / crdgen.CRD_FILE]) as cp:
-        yield cp
 
 
 controlplane = pytest.mark.controlplane

@@ -634,7 +634,8 @@ class ControlPlane(KubectlClient):
             args.append("--disable-admission-plugins=ServiceAccount")
         return args + self.extra_apiserver_args
 
-    def _admin_tls_context(self) -> ssl.SSLContext:
+    def admin_tls_context(self) -> ssl.SSLContext:
+        """TLS as the cluster admin (client certificate, the serving CA): for clients that speak HTTPS themselves."""
         assert self.pki is not None
         ctx = ssl.create_default_context(cafile=str(self.pki.serving_ca.cert))
         ctx.load_cert_chain(str(self.pki.admin.cert), str(self.pki.admin.key))
@@ -649,7 +650,7 @@ class ControlPlane(KubectlClient):
 
         self._launch(Component(
             "kube-apiserver", ("apiserver",), lambda: self._apiserver_args(apiserver), lambda: f"{self.server}/readyz",
-            self._admin_tls_context(), before_start=admin_kubeconfig,
+            self.admin_tls_context(), before_start=admin_kubeconfig,
         ))
 
     def _component_kubeconfig(self, user: str) -> Path:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import functools
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic.alias_generators import to_camel
 
 
@@ -17,6 +22,29 @@ class ApiModel(BaseModel):
         use_attribute_docstrings=True,
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        """A null where the field takes none is the field left out, as the API server reads it: a structural
+        schema prunes such nulls before defaulting. A field that takes null (`dualClipC: null`) keeps it."""
+        if not isinstance(data, dict):
+            return data
+        absent = _not_nullable(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in absent}
+
     def to_yaml_dict(self) -> dict:
         """The camelCase form, without unset optional fields."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+@functools.cache
+def _not_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """Names and aliases of the model's fields whose type has no None."""
+    out: set[str] = set()
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        nullable = annotation is Any or annotation is None or (union and type(None) in typing.get_args(annotation))
+        if not nullable:
+            out.update({name, field.alias or name})
+    return frozenset(out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,12 +64,52 @@ def problems_from(error: ValidationError) -> list[str]:
     return out
 
 
+INT64 = 2**63
+JSON_INTEGRAL = 2**53
+"""The largest float the API server still takes for an integer (go-openapi's IsFloat64AJSONInteger)."""
+
+
+def as_json(value: Any, path: str = "", problems: list[str] | None = None) -> Any:
+    """The document's numbers as the API server reads its JSON: an integer beyond 64 bits is a float, a float
+    with no fraction (2.0, up to 2^53) an integer; NaN and the infinities, which YAML can write and JSON cannot,
+    are problems (appended to `problems`)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if -INT64 <= value < INT64:
+            return value
+        try:
+            return float(value)
+        except OverflowError:
+            value = math.inf
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            if problems is not None:
+                problems.append(f"{path or '(document)'}: {value} is not a number a Kubernetes object can hold "
+                                "(JSON has no NaN or infinity)")
+            return value
+        return int(value) if value.is_integer() and abs(value) <= JSON_INTEGRAL else value
+    if isinstance(value, dict):
+        return {k: as_json(v, f"{path}.{k}" if path else str(k), problems) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_json(v, f"{path}[{i}]", problems) for i, v in enumerate(value)]
+    return value
+
+
 def parse_job(doc: Any, source: str = "<input>") -> RLTrainingJob:
-    """Validate a decoded YAML document; raise SpecError listing every problem."""
+    """Validate a decoded YAML document as the API server would; raise SpecError listing every problem.
+
+    Strict types, as the API server's JSON types: "2" is no integer and 1 no boolean (pydantic's default
+    would convert both). Fields by their camelCase names alone: total_steps is no field of the API.
+    """
     if not isinstance(doc, dict):
         raise SpecError(source, [f"(document): expected a mapping with apiVersion/kind/spec, got {type(doc).__name__}"])
+    non_json: list[str] = []
+    doc = as_json(doc, problems=non_json)
+    if non_json:
+        raise SpecError(source, non_json)
     try:
-        return RLTrainingJob.model_validate(doc)
+        return RLTrainingJob.model_validate(doc, strict=True, by_alias=True, by_name=False)
     except ValidationError as e:
         raise SpecError(source, problems_from(e)) from None
 

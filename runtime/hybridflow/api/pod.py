@@ -138,14 +138,14 @@ class PersistentVolumeClaimSource(ApiModel):
 
 class ConfigMapVolumeSource(ApiModel):
     name: ObjectName
-    items: list[KeyToPath] | None = Field(None, json_schema_extra={"maxItems": MAX_KEY_ITEMS})
+    items: list[KeyToPath] | None = Field(None, max_length=MAX_KEY_ITEMS)
     default_mode: FileMode | None = None
     optional: bool | None = None
 
 
 class SecretVolumeSource(ApiModel):
     secret_name: ObjectName
-    items: list[KeyToPath] | None = Field(None, json_schema_extra={"maxItems": MAX_KEY_ITEMS})
+    items: list[KeyToPath] | None = Field(None, max_length=MAX_KEY_ITEMS)
     default_mode: FileMode | None = None
     optional: bool | None = None
 
@@ -182,7 +182,7 @@ class CSIVolumeSource(ApiModel):
     driver: str = Field(min_length=1, max_length=63)
     read_only: bool | None = None
     fs_type: str | None = None
-    volume_attributes: dict[str, str] | None = Field(None, json_schema_extra={"maxProperties": MAX_POD_METADATA})
+    volume_attributes: dict[str, str] | None = Field(None, max_length=MAX_POD_METADATA)
     node_publish_secret_ref: LocalObjectReference | None = None
 
 
@@ -385,7 +385,7 @@ class EnvFromSource(ApiModel):
 class ServiceAccountSettings(ApiModel):
     """The job's runtime ServiceAccount, which every Ray pod runs as."""
 
-    annotations: dict[str, str] = Field(default_factory=dict, json_schema_extra={"maxProperties": MAX_POD_METADATA})
+    annotations: dict[str, str] = Field(default_factory=dict, max_length=MAX_POD_METADATA)
     """Cloud workload identity: iam.gke.io/gcp-service-account, eks.amazonaws.com/role-arn,
     azure.workload.identity/client-id."""
 

@@ -148,7 +148,7 @@ class Lora(ApiModel):
     alpha: float = Field(16.0, gt=0.0)
     """The adapter output is scaled by alpha / rank."""
     target_modules: list[Annotated[str, Field(min_length=1, max_length=253)]] = Field(
-        min_length=1, max_length=MAX_LORA_TARGETS
+        min_length=1, max_length=MAX_LORA_TARGETS, json_schema_extra={"x-kubernetes-list-type": "set"}
     )
     """Names of the layers to adapt, matched as peft matches them: a module's full name or its last
     dotted parts (`q_proj` adapts every `...self_attn.q_proj`). Llama-like models: q_proj, k_proj,
@@ -238,8 +238,10 @@ class Reward(ApiModel):
     )
 
     type: Literal["function", "model"] = "function"
-    function: str = Field("builtin:tiny_task", pattern=r"^(builtin:[a-z0-9_]+|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
-    """`builtin:tiny_task`, `builtin:gsm8k`, or `module:function` importable on the workers."""
+    # ASCII classes spelled out: the API server's RE2 reads \w as ASCII, pydantic's regex as Unicode.
+    function: str = Field("builtin:tiny_task",
+                          pattern=r"^(builtin:[a-z0-9_]+|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$")
+    """`builtin:tiny_task`, `builtin:gsm8k`, or `module:function` importable on the workers (ASCII names)."""
     model: RewardModelRef | None = None
 
     @model_validator(mode="after")
@@ -440,9 +442,18 @@ class Graph(ApiModel):
 
     nodes: list[GraphNode] = Field(
         min_length=1,
+        max_length=MAX_GRAPH_NODES,
         json_schema_extra=list_map(MAX_GRAPH_NODES),
     )
-    edges: list[GraphEdge] = Field(default_factory=list, json_schema_extra={"maxItems": MAX_GRAPH_EDGES})
+    edges: list[GraphEdge] = Field(default_factory=list, max_length=MAX_GRAPH_EDGES)
+
+    @field_validator("nodes")
+    @classmethod
+    def _unique_names(cls, nodes: list[GraphNode]) -> list[GraphNode]:
+        twice = _duplicates(n.name for n in nodes)
+        if twice:
+            raise ValueError(f"name {', '.join(map(repr, twice))} appears more than once")
+        return nodes
 
 
 class Scheduling(ApiModel):
@@ -555,6 +566,7 @@ class Cluster(ApiModel):
     head_memory: Quantity = "32Gi"
     worker_groups: list[WorkerGroup] = Field(
         default_factory=list,
+        max_length=MAX_WORKER_GROUPS,
         json_schema_extra=list_map(MAX_WORKER_GROUPS),
     )
     """One per graph pool; derived from the graph when empty."""
@@ -565,38 +577,40 @@ class Cluster(ApiModel):
     queue_name: str | None = None
     """Kueue LocalQueue; sets the kueue.x-k8s.io/queue-name label."""
     submission_mode: Literal["K8sJobMode", "HTTPMode"] = "K8sJobMode"
-    volumes: list[Volume] = Field(default_factory=list, json_schema_extra=list_map(MAX_VOLUMES))
+    volumes: list[Volume] = Field(default_factory=list, max_length=MAX_VOLUMES, json_schema_extra=list_map(MAX_VOLUMES))
     """Volumes of every Ray pod: PVCs for models, data and checkpoints, Secrets, ConfigMaps, ..."""
     volume_mounts: list[VolumeMount] = Field(
-        default_factory=list, json_schema_extra=list_map(MAX_VOLUME_MOUNTS, "mountPath")
+        default_factory=list, max_length=MAX_VOLUME_MOUNTS, json_schema_extra=list_map(MAX_VOLUME_MOUNTS, "mountPath")
     )
     """Mounts of cluster.volumes into the Ray container of every pod."""
-    env: list[EnvVar] = Field(default_factory=list, json_schema_extra=list_map(MAX_ENV))
+    env: list[EnvVar] = Field(default_factory=list, max_length=MAX_ENV, json_schema_extra=list_map(MAX_ENV))
     """Extra variables of every Ray container (after the operator's own, which they may reference)."""
-    env_from: list[EnvFromSource] = Field(default_factory=list, json_schema_extra={"maxItems": MAX_ENV_FROM})
+    env_from: list[EnvFromSource] = Field(default_factory=list, max_length=MAX_ENV_FROM)
     """Every key of a Secret or ConfigMap as a variable of every Ray container."""
     image_pull_secrets: list[LocalObjectReference] = Field(
-        default_factory=list, json_schema_extra=list_map(MAX_IMAGE_PULL_SECRETS)
+        default_factory=list, max_length=MAX_IMAGE_PULL_SECRETS, json_schema_extra=list_map(MAX_IMAGE_PULL_SECRETS)
     )
     """Secrets for pulling cluster.image from a private registry."""
     service_account: ServiceAccountSettings | None = None
     """The job's runtime ServiceAccount (every Ray pod runs as it): annotations for cloud workload identity."""
     pod_labels: dict[str, str] = Field(
         default_factory=dict,
-        json_schema_extra={"maxProperties": MAX_POD_METADATA} | _rules(reserved_key_rule(OPERATOR_LABEL_DOMAINS)),
+        max_length=MAX_POD_METADATA,
+        json_schema_extra=_rules(reserved_key_rule(OPERATOR_LABEL_DOMAINS)),
     )
     """Labels of every Ray pod, over the job's own labels (which propagate, minus reserved prefixes). Not
     app.kubernetes.io/name: KubeRay's head Services select the head by KubeRay's value there."""
     pod_annotations: dict[str, str] = Field(
         default_factory=dict,
-        json_schema_extra={"maxProperties": MAX_POD_METADATA} | _rules(reserved_key_rule(OPERATOR_LABEL_DOMAINS)),
+        max_length=MAX_POD_METADATA,
+        json_schema_extra=_rules(reserved_key_rule(OPERATOR_LABEL_DOMAINS)),
     )
     """Annotations of every Ray pod, over the job's own annotations (which propagate, minus reserved prefixes);
     e.g. cluster-autoscaler.kubernetes.io/safe-to-evict: "false"."""
     priority_class_name: str | None = Field(None, max_length=253, pattern=DNS_SUBDOMAIN)
     """PriorityClass of every Ray pod (preemption order on the nodes)."""
 
-    @field_validator("volumes", "volume_mounts", "env", "image_pull_secrets")
+    @field_validator("worker_groups", "volumes", "volume_mounts", "env", "image_pull_secrets")
     @classmethod
     def _unique(cls, items: list[Any], info: ValidationInfo) -> list[Any]:
         key = "mount_path" if info.field_name == "volume_mounts" else "name"
