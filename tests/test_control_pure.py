@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from hybridflow.control import RAY_NAMESPACE, JobRef, controller_name, job_ref
 from hybridflow.control.cli import render_status
+from hybridflow.control.errors import ControlError
+from hybridflow.control.steering import Steering
 from hybridflow.control.store import TargetStore
 from hybridflow.scheduler.hybrid import NAMESPACE
 
@@ -77,3 +81,58 @@ def test_importing_hybridflow_and_its_ctl_command_loads_no_ray() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+class _Ranks:
+    """The part of HybridScheduler that Steering calls; `adjust_parallelism` fails with `error` when set."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error, self.count = error, 2
+        self.decisions: list[str] = []
+
+    def parallelism_problem(self, node: str, target: int) -> str | None:
+        return None
+
+    def colocated_with(self, node: str) -> tuple[str, ...]:
+        return (node,)
+
+    def instance_count(self, node: str) -> int:
+        return self.count
+
+    def adjust_parallelism(self, node: str, n: int, reason: str, source: str = "Backpressure") -> int:
+        if self.error is not None:
+            raise self.error
+        self.count = n
+        return n
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a rank died while the ranks were rebuilt"), None])
+def test_a_change_that_fails_at_a_safe_point_is_reported_to_the_loop(tmp_path: Path,
+                                                                     error: BaseException | None) -> None:
+    """The caller gets a ControlError; the loop's hook gets the original error, so it can recover the ranks."""
+    told: list[BaseException] = []
+    steering = Steering(_Ranks(error), TargetStore(tmp_path / "control.json"),  # type: ignore[arg-type]
+                        on_error=told.append)
+    steering.open()
+    outcome: list[object] = []
+
+    def ask() -> None:
+        try:
+            outcome.append(steering.request("critic", 3, "grow", wait_s=30))
+        except ControlError as e:
+            outcome.append(e)
+
+    caller = threading.Thread(target=ask)
+    caller.start()
+    deadline = time.monotonic() + 30
+    while steering.status()["pending"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    steering.serve()
+    caller.join(30)
+    if error is None:
+        assert outcome == [{"node": "critic", "old": 2, "parallelism": 3, "colocated": []}] and told == []
+        assert steering.store.targets() == {"critic": 3}
+    else:
+        assert isinstance(outcome[0], ControlError) and "a rank died" in str(outcome[0])
+        assert told == [error]
+        assert steering.store.targets() == {}, "a failed change must not stay stored"

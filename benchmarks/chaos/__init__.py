@@ -1,1 +1,2 @@
-"""Fault-injection campaigns: the operator and the runtime under the failures they must survive."""
+"""The reliability campaign (`make chaos`): faults injected into the runtime and the operator, fuzzed specs,
+the security checks, and the figures they add up to."""

@@ -11,6 +11,8 @@ others can write, and a full unpickle of a planted file would run its code.
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import shutil
 import uuid
@@ -29,11 +31,36 @@ class Superseded(RuntimeError):
     """Another controller claimed the checkpoint directory; this one must stop writing."""
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint file could not be written (a full or read-only file system); one line naming the file."""
+
+
 def save_state(state: dict[str, Any], path: str | Path) -> None:
-    """Write one checkpoint file: plain containers of tensors and primitives, nothing that needs unpickling."""
+    """Write one checkpoint file: plain containers of tensors and primitives, nothing that needs unpickling.
+
+    torch writes through the open file, so a failed write surfaces as the OSError of the file system
+    (ENOSPC, EROFS, ...), raised here as a CheckpointWriteError naming the file.
+    """
     import torch
 
-    torch.save(state, path)
+    try:
+        with open(path, "wb") as f:
+            torch.save(state, f)
+    except (OSError, RuntimeError) as e:
+        raise CheckpointWriteError(f"cannot write checkpoint file {path}: {write_problem(e, path)}") from None
+
+
+def write_problem(error: BaseException, path: str | Path) -> str:
+    """Why a write to `path` failed, in words: the OS message, or a full file system torch reported in its own."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return os.strerror(error.errno)
+    try:
+        if shutil.disk_usage(Path(path).parent).free == 0:
+            return os.strerror(errno.ENOSPC)
+    except OSError:
+        pass
+    lines = [ln for ln in str(error).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def load_state(path: str | Path) -> Any:

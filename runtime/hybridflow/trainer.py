@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -110,10 +111,13 @@ class Trainer:
         self.started = False
         self.recoveries = 0
         self._host_counts: dict[str, int] = {}
+        self._steering_failure: Exception | None = None
+        """A change from outside that failed at the last safe point; the loop recovers first if a host died."""
         self._memory_at: float | None = None
         self.ref = job_ref(self.job.metadata.name, self.job.metadata.namespace)
         self.steering = Steering(self.scheduler, store.TargetStore(Path(t.checkpoint.path) / store.FILE_NAME),
-                                 rules=[self._parallelism_problem], on_change=self._sync_new_hosts)
+                                 rules=[self._parallelism_problem], on_change=self._sync_new_hosts,
+                                 on_error=self._steering_failed)
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -237,19 +241,16 @@ class Trainer:
     def _loop(self, total: int) -> None:
         while self.step < total:
             self.steering.serve()
+            failed, self._steering_failure = self._steering_failure, None
+            if failed is not None and self._worker_died(failed):
+                self._recover(failed)
+                continue
             try:
                 record = self.train_step(self.step + 1)
                 if self.val_rows and eval_due(record["step"], total, self.spec.trainer.eval_every):
                     record |= self.evaluate(record["step"])
-            except WORKER_LOST as e:
-                self._recover(e)
-                continue
-            except ray.exceptions.RayTaskError as e:
-                lost = self.scheduler.lost_hosts(timeout=LOST_PROBE_S)
-                if not lost:
-                    raise
-                log.warning("%s failed as %s died", type(e.cause).__name__ if e.cause else "a call", ", ".join(lost))
-                self._recover(e)
+            except (*WORKER_LOST, ray.exceptions.RayTaskError) as e:
+                self._recover_or_raise(e)
                 continue
             self.step = record["step"]
             self.last_val = last_val_reward([record]) or self.last_val
@@ -260,7 +261,11 @@ class Trainer:
             self.trackers.log_record(record)
             self.telemetry.export(record, self.scheduler)
             self._maybe_sample_memory()
-            self._maybe_checkpoint()
+            try:
+                self._maybe_checkpoint()
+            except (*WORKER_LOST, ray.exceptions.RayTaskError) as e:  # this step is redone from the last checkpoint
+                self._recover_or_raise(e)
+                continue
             if self.reporter:
                 self.reporter.report(self.step, total, self.last_val | record, self.last_checkpoint,
                                      force=self.step == total)
@@ -370,6 +375,11 @@ class Trainer:
                 ray.get([h.import_state.remote(state) for h in hosts[known:]])
             self._host_counts[group.node] = len(hosts)
 
+    def _steering_failed(self, error: BaseException) -> None:
+        """Steering's report of a change that failed at a safe point (see _loop)."""
+        if isinstance(error, Exception):
+            self._steering_failure = error
+
     def _parallelism_problem(self, node: str, parallelism: int) -> str | None:
         """The step plan's limits on a change from outside (the scheduler checks roles and resources):
         a fused step is one call on the actor's single host; every trained rank needs a sequence."""
@@ -403,15 +413,32 @@ class Trainer:
         return out
 
     def save_checkpoint(self) -> str:
+        """Write step_N aside and rename it into place. A failed write removes what it staged (a partial
+        checkpoint must not hold the room the next one needs) and stops the run with CheckpointWriteError,
+        naming the file and the newest complete checkpoint, which a rerun resumes from."""
         root = self.spec.trainer.checkpoint.path
-        staging = checkpoint.staging_dir(root, self.step)
-        ray.get([h.save.remote(str(staging), name) for name, h in self._instances()])
-        checkpoint.save_state(controller_state(self.step, self.kl_ctl, self.sampler,
-                                               [name for name, _ in self._instances()]),
-                              staging / CONTROLLER_FILE)
-        (staging / JOB_FILE).write_text(json.dumps(self.job.model_dump(by_alias=True, mode="json"), indent=1))
-        self._check_owner()
-        final = checkpoint.commit(staging, root, self.step)
+        staging: Path | None = None
+        try:
+            staging = checkpoint.staging_dir(root, self.step)
+            ray.get([h.save.remote(str(staging), name) for name, h in self._instances()])
+            checkpoint.save_state(controller_state(self.step, self.kl_ctl, self.sampler,
+                                                   [name for name, _ in self._instances()]),
+                                  staging / CONTROLLER_FILE)
+            (staging / JOB_FILE).write_text(json.dumps(self.job.model_dump(by_alias=True, mode="json"), indent=1))
+            self._check_owner()
+            final = checkpoint.commit(staging, root, self.step)
+        except BaseException as e:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+            problem = _write_failure(e)
+            if problem is None:
+                raise
+            newest = checkpoint.latest(root)
+            after = (f"the newest complete checkpoint, {newest[1].name}, is intact and a rerun resumes from it"
+                     if newest else "there is no complete checkpoint yet")
+            raise checkpoint.CheckpointWriteError(
+                f"checkpoint of step {self.step} not written: {problem}; {after} "
+                f"(spec.trainer.checkpoint.path: {root})") from None
         checkpoint.prune(root, self.spec.trainer.checkpoint.keep)
         self.last_checkpoint = str(final)
         return self.last_checkpoint
@@ -449,9 +476,25 @@ class Trainer:
         self.last_val = last_val_reward(self.metrics.read())
         return True
 
+    def _recover_or_raise(self, error: Exception) -> None:
+        if not self._worker_died(error):
+            raise error
+        self._recover(error)
+
+    def _worker_died(self, error: Exception) -> bool:
+        """Whether a failed call means a worker died: its own error, or a call that failed as a peer died."""
+        if isinstance(error, WORKER_LOST):
+            return True
+        lost = self.scheduler.lost_hosts(timeout=LOST_PROBE_S)
+        if lost:
+            cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else None
+            log.warning("%s failed as %s died", type(cause).__name__ if cause else "a call", ", ".join(lost))
+        return bool(lost)
+
     def _recover(self, error: Exception) -> None:
         """A worker died: wait for Ray to restart it, rejoin the ranks, roll every role back together."""
         self.recoveries += 1
+        self._steering_failure = None  # this recovery covers it
         if self.recoveries > max(1, self.spec.trainer.worker_max_restarts):
             raise RuntimeError(f"giving up after {self.recoveries - 1} recoveries: {error}") from error
         log.warning("worker lost at step %d (%s); restoring the last checkpoint", self.step + 1,
@@ -465,6 +508,19 @@ class Trainer:
             self.kl_ctl.load_state_dict({"value": self.spec.algorithm.kl_penalty.coef})
             self.metrics.reset()
             self.last_val = {}
+        self._host_counts = {g.node: len(g.hosts) for g in self.trained}  # every rank now holds the same state
+        self.scheduler.discard_in_flight()
+
+
+def _write_failure(error: BaseException) -> str | None:
+    """What failed in a checkpoint write, in one line; None for errors that are not about writing (a lost worker)."""
+    cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
+    if isinstance(cause, checkpoint.CheckpointWriteError):
+        return str(cause).strip().splitlines()[-1]
+    if isinstance(cause, OSError):
+        where = f"cannot write {cause.filename}" if cause.filename else "cannot write the checkpoint"
+        return f"{where}: {checkpoint.write_problem(cause, cause.filename or '.')}"
+    return None
 
 
 def _add_busy(busy: dict[str, float], key: str, seconds: float) -> None:

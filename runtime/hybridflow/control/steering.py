@@ -42,11 +42,15 @@ class Steering:
     """The queue of outside requests, the checks they pass, and their persisted targets."""
 
     def __init__(self, scheduler: HybridScheduler, store: TargetStore, rules: Sequence[Rule] = (),
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         self.scheduler = scheduler
         self.store = store
         self.rules = list(rules)
         self.on_change = on_change
+        self.on_error = on_error
+        """Told the original error of a request that failed at a safe point (its caller gets a ControlError):
+        a host that died while ranks were rebuilt leaves them apart, and only the loop can recover that."""
         self._lock = threading.Lock()
         self._pending: list[_Request] = []
         self._looping = False
@@ -143,6 +147,8 @@ class Steering:
                 req.result = self._apply(req)
             except BaseException as e:
                 req.error = e if isinstance(e, ControlError) else ControlError(f"{type(e).__name__}: {e}")
+                if self.on_error is not None and not isinstance(e, ControlError):
+                    self.on_error(e)
             req.done.set()
 
     def _apply(self, req: _Request) -> dict[str, Any]:

@@ -143,6 +143,12 @@ class EdgeChannel:
             finished.update((r, now) for r in ready)
         return self._collect(taken, finished)
 
+    def discard(self) -> int:
+        """Forget every pending ref (a step that failed midway left them; their batches are redone), so the
+        next step's `drain` returns only its own results. Returns how many were dropped."""
+        dropped, self._items = len(self._items), []
+        return dropped
+
     def _collect(self, taken: list[_Item], finished: dict[ray.ObjectRef, float] | None = None) -> list[Any]:
         if not taken:
             return []

@@ -527,6 +527,12 @@ class HybridScheduler:
 
     # -- recovery and teardown -------------------------------------------------------------------
 
+    def discard_in_flight(self) -> None:
+        """Drop what a failed step left queued on the data edges (see EdgeChannel.discard)."""
+        for ch in self._channels.values():
+            if ch.discard():
+                log.info("dropped the results a failed step left on %s", ch.key)
+
     def lost_hosts(self, timeout: float) -> list[str]:
         """Hosts that died since their node info was last taken: no answer within `timeout`, or an answer
         from another process (Ray restarted it, maybe in another pod: node id and pid both compared).
