@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # the 12 seconds a tiny job's worker took to start).
 VENV_STAMP := $(VENV)/.installed-$(firstword $(shell cksum < pyproject.toml))
 
-.PHONY: all venv run run-grpo verl-oracle test test-real-nodes lint unit e2e e2e-kind toolchain node-packages images cluster-up cluster-up-kwok cluster-down bench clean
+.PHONY: all venv run run-grpo verl-oracle test test-real-nodes lint unit e2e e2e-kind toolchain node-packages images cluster-up cluster-up-kwok cluster-down bench chaos clean
 
 all: test
 
@@ -95,6 +95,7 @@ clean:
 include mk/crds.mk
 include mk/bench.mk
 include mk/bench-operator.mk
+include mk/chaos.mk
 
 # Side-by-side benchmarks; results land in benchmarks/results and the tables in benchmarks/README.md.
 bench: bench-runtime bench-operator
