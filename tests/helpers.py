@@ -371,3 +371,16 @@ def policy_from_checkpoint(directory: Path, spec: Any) -> Any:
     worker = ActorRolloutWorker(spec, torch.device("cpu"))
     worker.load_state_dict(load_state(directory / "actor_rollout_0.pt")["roles"]["actor_rollout"])
     return worker.model
+
+
+def train_in_fresh_ray(job: Any, metrics: Path) -> dict[str, Any]:
+    """One run of `job` in a local Ray of its own, shut down after it (a module fixture's whole run)."""
+    import ray
+
+    from hybridflow.driver import init_ray, run_training
+
+    init_ray(local=True, num_cpus=8)
+    try:
+        return run_training(job, str(metrics))
+    finally:
+        ray.shutdown()

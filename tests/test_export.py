@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -19,10 +18,9 @@ from hybridflow.api import parse_job
 from hybridflow.checkpoint import JOB_FILE, complete_steps, resolve
 from hybridflow.cli import main
 from hybridflow.data.tiny import ensure_tiny_model, tiny_task_rows
-from hybridflow.driver import init_ray, run_training
 from hybridflow.export import METADATA_FILE, metadata, model_card
 from tests.conftest import ROOT
-from tests.helpers import greedy_tokens, policy_from_checkpoint
+from tests.helpers import greedy_tokens, policy_from_checkpoint, train_in_fresh_ray
 
 pytestmark = pytest.mark.slow
 
@@ -67,11 +65,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, example_doc_module: dict) 
                                   checkpoint={"every": 4, "path": str(tmp / "ckpt")},
                                   export={"path": str(tmp / "final")})
     job = parse_job(doc)
-    init_ray(local=True, num_cpus=8)
-    try:
-        result = run_training(job, str(tmp / "m.jsonl"))
-    finally:
-        ray.shutdown()
+    result = train_in_fresh_ray(job, tmp / "m.jsonl")
     return {"tmp": tmp, "job": job, "result": result, "root": tmp / "ckpt"}
 
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import ray
 import torch
 import yaml
 from peft import PeftModel
@@ -17,10 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hybridflow.api import parse_job
 from hybridflow.checkpoint import resolve
 from hybridflow.data.tiny import ensure_tiny_model, tiny_task_rows
-from hybridflow.driver import init_ray, run_training
 from hybridflow.export import METADATA_FILE
 from tests.conftest import EXAMPLES, ROOT
-from tests.helpers import greedy_tokens, policy_from_checkpoint
+from tests.helpers import greedy_tokens, policy_from_checkpoint, train_in_fresh_ray
 
 pytestmark = pytest.mark.slow
 
@@ -40,11 +38,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     doc["spec"]["trainer"].update(totalSteps=STEPS, checkpoint={"every": 30, "path": str(tmp / "ckpt")},
                                   export={"path": str(tmp / "merged"), "adapters": "merge"})
     job = parse_job(doc)
-    init_ray(local=True, num_cpus=8)
-    try:
-        result = run_training(job, str(tmp / "m.jsonl"))
-    finally:
-        ray.shutdown()
+    result = train_in_fresh_ray(job, tmp / "m.jsonl")
     records = [json.loads(line) for line in (tmp / "m.jsonl").read_text().splitlines() if line.strip()]
     return {"tmp": tmp, "job": job, "result": result, "records": records}
 
