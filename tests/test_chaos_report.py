@@ -73,13 +73,14 @@ def test_parts_kept_from_earlier_runs_are_put_together(tmp_path: Path, capsys: p
              "fuzz": {"passed": True, "examples": {"verdicts": 2000}}, "security": {"passed": 5, "failed": 0,
                                                                                    "files": ["tests/test_security.py"]}}
     for part, result in parts.items():
-        (tmp_path / f"{part}.json").write_text(json.dumps({"wall_s": 60.0, "result": result}))
+        (tmp_path / f"reliability-{part}.json").write_text(json.dumps({"wall_s": 60.0, "result": result}))
     assert main(["--reuse", "runtime,operator,fuzz,security", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "reliability.json").read_text())
     assert doc["totals"] == {"injected": 40, "survived": 40, "duplicates": 0, "losses": 0}
     assert doc["wall_s"] == 240.0 and doc["reused"] == ["runtime", "operator", "fuzz", "security"]
     assert "| operator_kill | operator | 20 | 20 |" in (tmp_path / "README-section.md").read_text()
-    (tmp_path / "runtime.json").write_text(json.dumps({"wall_s": 1.0, "result": [row("worker_kill", 2, 1, [])]}))
+    lost_one = {"wall_s": 1.0, "result": [row("worker_kill", 2, 1, [])]}
+    (tmp_path / "reliability-runtime.json").write_text(json.dumps(lost_one))
     assert main(["--reuse", "runtime,operator,fuzz,security", "--out", str(tmp_path)]) == 1
     capsys.readouterr()
 
@@ -94,4 +95,4 @@ def test_an_unknown_part_or_a_missing_earlier_result_is_one_line(tmp_path: Path,
     assert "unknown part nope; allowed: runtime, operator, fuzz, security" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--reuse", "fuzz", "--parts", "", "--out", str(tmp_path)])
-    assert f"--reuse fuzz: no {tmp_path / 'fuzz.json'} from an earlier run" in capsys.readouterr().err
+    assert f"--reuse fuzz: no {tmp_path / 'reliability-fuzz.json'} from an earlier run" in capsys.readouterr().err

@@ -5,7 +5,7 @@
     python -m benchmarks.chaos --parts runtime,fuzz   # some parts (full size), written under runs/chaos only
     python -m benchmarks.chaos --reuse runtime        # take that part from its earlier DIR/runtime.json
 
-Each part's result is kept beside reliability.json (runtime.json, operator.json, fuzz.json, security.json), so
+Each part's result is kept beside reliability.json (reliability-runtime.json, reliability-operator.json, ...), so
 a part that failed can be rerun alone and the figures put together again with --reuse for the others.
 
 Exits 1 when a fault was not survived, anything was duplicated or lost, a fuzz property or a security check
@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results, walls = {}, {}
     for part in parts:
-        saved = out / f"{part}.json"
+        saved = out / f"reliability-{part}.json"
         if part in reuse:
             if not saved.is_file():
                 p.error(f"--reuse {part}: no {saved} from an earlier run")
