@@ -69,7 +69,7 @@ RAN: Counter[str] = Counter()
 
 FIELD = r"(apiVersion|kind|metadata|spec)([.\[][^\n]*?)?"
 """A field path as users write it (spec.cluster.workerGroups[0].name); a map's keys may hold any character."""
-PROBLEM = re.compile(rf"^(\(document\)|{FIELD}): \S")
+PROBLEM = re.compile(rf"^(\(document\)|{FIELD}|[^\s:]+): \S")  # the last: an unknown top-level key
 STALLED = re.compile(rf"^{FIELD}: \S")
 SETTINGS = RenderSettings()
 
@@ -184,6 +184,9 @@ FOUND = [
     ("too-many-worker-groups", {"cluster": {"workerGroups": [{"name": f"g{i}"} for i in range(17)]}}, False),
     ("lora-target-twice", {"model": {"policy": {"lora": {"targetModules": ["q_proj", "q_proj"]}}}}, False),
     ("too-many-pod-labels", {"cluster": {"podLabels": {f"l{i}": "x" for i in range(65)}}}, False),
+    ("tensor-parallel-without-vllm", {"rollout": {"engine": "torch", "tensorParallelSize": 2}}, False),
+    ("graph-pool-without-a-worker-group", {"graph": {"nodes": [{"name": "a", "role": "actor_rollout", "pool": "p"}]},
+                                           "cluster": {"workerGroups": [{"name": "other"}]}}, False),
 ]
 
 

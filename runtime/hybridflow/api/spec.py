@@ -275,13 +275,16 @@ class Data(ApiModel):
     shuffle: bool = True
 
 
+_TP_NEEDS_VLLM = "rollout.tensorParallelSize above 1 needs rollout.engine vllm (torch generate is unsharded)"
+
+
 class Rollout(ApiModel):
     model_config = ApiModel.model_config | ConfigDict(
         json_schema_extra=_rules(
             _cel(
                 "!has(self.tensorParallelSize) || self.tensorParallelSize == 1"
                 " || (has(self.engine) && self.engine == 'vllm')",
-                "rollout.tensorParallelSize above 1 needs rollout.engine vllm (torch generate is unsharded)",
+                _TP_NEEDS_VLLM,
                 ".tensorParallelSize",
             )
         )
@@ -294,6 +297,12 @@ class Rollout(ApiModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _tp_needs_vllm(self) -> Rollout:
+        if self.tensor_parallel_size > 1 and self.engine != "vllm":
+            raise ValueError(_TP_NEEDS_VLLM)
+        return self
 
 
 class Checkpoint(ApiModel):
@@ -657,6 +666,12 @@ SEPARATE_NEEDS_LORA = ("trainer.export.adapters 'separate' needs model.policy.lo
                        "adapters to write apart; use 'merge')")
 
 
+_VLLM_NEEDS_GPU_GROUP = ("rollout.engine vllm runs on GPUs: at least one of cluster.workerGroups needs"
+                         " gpusPerWorker >= rollout.tensorParallelSize")
+_POOL_WITHOUT_GROUP = ("every graph node's pool must name one of cluster.workerGroups"
+                       " (or leave workerGroups empty to derive them from the graph)")
+
+
 class RLTrainingJobSpec(ApiModel):
     model_config = ApiModel.model_config | ConfigDict(
         json_schema_extra=_rules(
@@ -681,16 +696,14 @@ class RLTrainingJobSpec(ApiModel):
                 " || !has(self.cluster.workerGroups)"
                 " || size(self.cluster.workerGroups) == 0"
                 " || self.cluster.workerGroups.exists(g, g.gpusPerWorker >= self.rollout.tensorParallelSize)",
-                "rollout.engine vllm runs on GPUs: at least one of cluster.workerGroups needs"
-                " gpusPerWorker >= rollout.tensorParallelSize",
+                _VLLM_NEEDS_GPU_GROUP,
                 ".rollout.engine",
             ),
             _cel(
                 "!has(self.graph) || !has(self.cluster) || !has(self.cluster.workerGroups)"
                 " || size(self.cluster.workerGroups) == 0"
                 " || self.graph.nodes.all(n, self.cluster.workerGroups.exists(g, g.name == n.pool))",
-                "every graph node's pool must name one of cluster.workerGroups"
-                " (or leave workerGroups empty to derive them from the graph)",
+                _POOL_WITHOUT_GROUP,
                 ".graph.nodes",
             ),
             _cel(
@@ -755,6 +768,10 @@ class RLTrainingJobSpec(ApiModel):
             )
         if self.trainer.eval_every and self.data.val is None:
             raise ValueError(_EVAL_WITHOUT_VAL)
+        groups = self.cluster.worker_groups
+        if groups and self.graph is not None and not all(
+                any(g.name == n.pool for g in groups) for n in self.graph.nodes):
+            raise ValueError(_POOL_WITHOUT_GROUP)
         return self
 
 
