@@ -67,7 +67,7 @@ CLI_BATCH = 8
 RAN: Counter[str] = Counter()
 """Examples each property ran, and how many of them the API server admitted."""
 
-FIELD = r"(apiVersion|kind|metadata|spec)([.\[][^\n]*?)?"
+FIELD = r"[A-Za-z_]\w*([.\[][^\n]*?)?"
 """A field path as users write it (spec.cluster.workerGroups[0].name); a map's keys may hold any character."""
 PROBLEM = re.compile(rf"^(\(document\)|{FIELD}|[^\s:]+): \S")  # the last: an unknown top-level key
 STALLED = re.compile(rf"^{FIELD}: \S")

@@ -39,12 +39,12 @@ class ApiModel(BaseModel):
 
 @functools.cache
 def _not_nullable(model: type[BaseModel]) -> frozenset[str]:
-    """Names and aliases of the model's fields whose type has no None."""
+    """Aliases (the names documents use) of the model's fields whose type has no None."""
     out: set[str] = set()
     for name, field in model.model_fields.items():
         annotation = field.annotation
         union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
         nullable = annotation is Any or annotation is None or (union and type(None) in typing.get_args(annotation))
         if not nullable:
-            out.update({name, field.alias or name})
+            out.add(field.alias or name)
     return frozenset(out)
