@@ -69,7 +69,7 @@ RAN: Counter[str] = Counter()
 
 FIELD = r"[A-Za-z_]\w*([.\[][^\n]*?)?"
 """A field path as users write it (spec.cluster.workerGroups[0].name); a map's keys may hold any character."""
-PROBLEM = re.compile(rf"^(\(document\)|{FIELD}|[^\s:]+): \S")  # the last: an unknown top-level key
+PROBLEM = re.compile(rf"^(\(document\)|{FIELD}): \S")
 STALLED = re.compile(rf"^{FIELD}: \S")
 SETTINGS = RenderSettings()
 
