@@ -184,6 +184,8 @@ FOUND = [
     ("too-many-worker-groups", {"cluster": {"workerGroups": [{"name": f"g{i}"} for i in range(17)]}}, False),
     ("lora-target-twice", {"model": {"policy": {"lora": {"targetModules": ["q_proj", "q_proj"]}}}}, False),
     ("too-many-pod-labels", {"cluster": {"podLabels": {f"l{i}": "x" for i in range(65)}}}, False),
+    ("min-replicas-above-replicas", {"cluster": {"workerGroups": [{"name": "g", "replicas": 1, "minReplicas": 2}]}},
+     False),
     ("tensor-parallel-without-vllm", {"rollout": {"engine": "torch", "tensorParallelSize": 2}}, False),
     ("graph-pool-without-a-worker-group", {"graph": {"nodes": [{"name": "a", "role": "actor_rollout", "pool": "p"}]},
                                            "cluster": {"workerGroups": [{"name": "other"}]}}, False),

@@ -91,6 +91,7 @@ def spec_of(example_doc, name: str, graph: dict | None = None, **algorithm) -> R
     doc["spec"]["algorithm"].update(algorithm)
     if graph is not None:
         doc["spec"]["graph"] = graph
+        doc["spec"]["cluster"]["workerGroups"] = []  # derived from the graph's pools
     return parse_job(doc).spec
 
 

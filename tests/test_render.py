@@ -491,7 +491,9 @@ def test_invalid_graph_is_a_render_error() -> None:
 def test_replicas_outside_min_and_max() -> None:
     job = example()
     job["spec"]["cluster"]["workerGroups"][0].update(minReplicas=3, maxReplicas=4)
-    assert render_error(job).reason == "InvalidReplicas"
+    err = render_error(job)
+    assert err.reason == "InvalidSpec"
+    assert "spec.cluster.workerGroups[0]: minReplicas must be at most replicas" in err.message
 
 
 def ppo_without_reward() -> dict:

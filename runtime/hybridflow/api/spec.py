@@ -523,6 +523,14 @@ class WorkerGroup(ApiModel):
     """CPU of each pod: cores (32, "1.5") or millicores ("500m"); a pod without GPUs has ceil(cores) pool slots."""
     memory: Quantity = "512Gi"
 
+    @model_validator(mode="after")
+    def _replica_bounds(self) -> WorkerGroup:
+        if self.min_replicas is not None and self.min_replicas > self.replicas:
+            raise ValueError("minReplicas must be at most replicas")
+        if self.max_replicas is not None and self.replicas > self.max_replicas:
+            raise ValueError("replicas must be at most maxReplicas")
+        return self
+
 
 class Cluster(ApiModel):
     """Where and how the Ray pods run.

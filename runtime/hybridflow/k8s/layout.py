@@ -129,11 +129,8 @@ def _user_groups(groups: Sequence[WorkerGroup], pools: Sequence[str]) -> list[Wo
             raise RenderError(f"{source}.name", "UnknownWorkerGroup",
                               f"worker group {g.name!r} matches no graph pool (pools: {', '.join(pools)}); "
                               "its pods would hold resources nothing uses")
-        low = g.replicas if g.min_replicas is None else g.min_replicas
-        high = max(g.replicas, low) if g.max_replicas is None else g.max_replicas
-        if not low <= g.replicas <= high:
-            raise RenderError(f"{source}.replicas", "InvalidReplicas",
-                              f"replicas {g.replicas} must lie within minReplicas {low} and maxReplicas {high}")
+        low = g.replicas if g.min_replicas is None else g.min_replicas  # the spec keeps low <= replicas <= high
+        high = g.replicas if g.max_replicas is None else g.max_replicas
         plans.append(WorkerGroupPlan(g.name, g.replicas, low, high, g.gpus_per_worker, g.cpus_per_worker, g.memory,
                                      source))
     return plans
