@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from benchmarks.chaos.recovery import step_counts
+from benchmarks.chaos.report import recovery
 from benchmarks.chaos.watch import MetricsWatch
 from benchmarks.operator.summarise import rounded
 
@@ -175,7 +176,6 @@ def checkpoint_write_failure(work: Path) -> dict[str, Any]:
         "survived": int(case.ok),
         "duplicates": case.duplicates,
         "losses": case.losses,
-        "recovery_s": {"p50": samples[0] if samples else None, "p95": samples[0] if samples else None,
-                       "samples": samples},
+        "recovery_s": recovery(samples),
         "detail": detail,
     }

@@ -42,8 +42,9 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 from urllib3.exceptions import HTTPError
 
+from benchmarks.chaos.report import recovery
 from benchmarks.operator.measure import CHILD_RESOURCES, _api_client, bench_job
-from benchmarks.operator.summarise import percentile, rounded
+from benchmarks.operator.summarise import rounded
 from e2e.harness.controlplane import (
     BIND_ATTEMPTS,
     ControlPlane,
@@ -140,15 +141,10 @@ def assess(expected: Iterable[str], jobs: Mapping[str, Mapping[str, Any]],
     return Assessment(converged, duplicates, missing, strays)
 
 
-def summary(samples: Sequence[float]) -> dict[str, Any]:
-    return {"p50": rounded(percentile(samples, 50)), "p95": rounded(percentile(samples, 95)),
-            "samples": [round(s, 3) for s in samples]}
-
-
 def row(kind: str, injected: int, survived: int, duplicates: int, losses: int, samples: Sequence[float],
         detail: Mapping[str, Any]) -> dict[str, Any]:
     return {"kind": kind, "injected": injected, "survived": survived, "duplicates": duplicates, "losses": losses,
-            "recovery_s": summary(samples), "detail": dict(detail)}
+            "recovery_s": recovery(samples), "detail": dict(detail)}
 
 
 def replace_flags(argv: Sequence[str], flags: Mapping[str, str]) -> list[str]:

@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.operator.summarise import percentile, rounded
+
 BEGIN, END = "<!-- reliability:start -->", "<!-- reliability:end -->"
 ROW_KEYS = ("kind", "injected", "survived", "duplicates", "losses", "recovery_s", "detail")
 
@@ -14,22 +16,10 @@ class FormatError(ValueError):
     """A part of the campaign returned a row that is not the agreed shape; names the part and the key."""
 
 
-def percentile(samples: Sequence[float], q: float) -> float | None:
-    """The q-th percentile by linear interpolation between closest ranks (None for no samples)."""
-    if not samples:
-        return None
-    ordered = sorted(samples)
-    if len(ordered) == 1:
-        return ordered[0]
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 def recovery(samples: Sequence[float]) -> dict[str, Any]:
-    """p50/p95 of recovery times in seconds, with the samples."""
-    return {"p50": percentile(samples, 50), "p95": percentile(samples, 95), "samples": [round(s, 3) for s in samples]}
+    """A row's recovery_s: p50/p95 of the recovery times in seconds, with the samples (every part's rows)."""
+    return {"p50": rounded(percentile(samples, 50)), "p95": rounded(percentile(samples, 95)),
+            "samples": [round(s, 3) for s in samples]}
 
 
 def check_rows(part: str, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

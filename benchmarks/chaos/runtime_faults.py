@@ -29,8 +29,9 @@ from typing import Any, TextIO
 import yaml
 
 from benchmarks.chaos.recovery import step_counts
+from benchmarks.chaos.report import recovery
 from benchmarks.chaos.watch import MetricsWatch, Phase, PhaseKiller
-from benchmarks.operator.summarise import percentile, rounded
+from benchmarks.operator.summarise import rounded
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -279,8 +280,7 @@ def kill_row(kind: str, outcomes: list[RunOutcome]) -> dict[str, Any]:
         "survived": sum(o.ok for o in landed),
         "duplicates": sum(o.duplicates for o in outcomes),
         "losses": sum(o.losses for o in outcomes),
-        "recovery_s": {"p50": rounded(percentile(samples, 50)), "p95": rounded(percentile(samples, 95)),
-                       "samples": samples},
+        "recovery_s": recovery(samples),
         "detail": {
             "runs": len(outcomes),
             "missed": sum(not o.killed for o in outcomes),
