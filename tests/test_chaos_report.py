@@ -78,7 +78,9 @@ def test_parts_kept_from_earlier_runs_are_put_together(tmp_path: Path, capsys: p
     doc = json.loads((tmp_path / "reliability.json").read_text())
     assert doc["totals"] == {"injected": 40, "survived": 40, "duplicates": 0, "losses": 0}
     assert doc["wall_s"] == 240.0 and doc["reused"] == ["runtime", "operator", "fuzz", "security"]
-    assert "| operator_kill | operator | 20 | 20 |" in (tmp_path / "README-section.md").read_text()
+    section = (tmp_path / "README-section.md").read_text()
+    assert "| operator_kill | operator | 20 | 20 |" in section
+    assert f"; `{tmp_path / 'reliability.json'}`)." in section
     lost_one = {"wall_s": 1.0, "result": [row("worker_kill", 2, 1, [])]}
     (tmp_path / "reliability-runtime.json").write_text(json.dumps(lost_one))
     assert main(["--reuse", "runtime,operator,fuzz,security", "--out", str(tmp_path)]) == 1

@@ -69,6 +69,11 @@ RUNNERS: dict[str, Callable[[Path, bool], Any]] = {
 """Each part, imported when it runs: the runtime part needs torch and Ray, the others a control plane."""
 
 
+def _shown(path: Path) -> str:
+    """A path as the table names it: from the repository root when inside it."""
+    return str(path.resolve().relative_to(ROOT)) if path.resolve().is_relative_to(ROOT) else str(path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     fuzz = results.get("fuzz", {"passed": True})
     security = results.get("security", {"passed": 0, "failed": 0, "files": []})
     meta = {"date": date.today().isoformat(), "machine": machine(), "full": not args.quick, "parts": parts,
-            "reused": reuse, "wall_s": round(sum(walls.values()), 1), "part_wall_s": walls}
+            "reused": reuse, "wall_s": round(sum(walls.values()), 1), "part_wall_s": walls,
+            "results": _shown(out / "reliability.json")}
     doc = report.summarise(rows, fuzz, security, meta)
     (out / "reliability.json").write_text(json.dumps(doc, indent=2) + "\n")
     report.plot(doc, out / "reliability.png")
