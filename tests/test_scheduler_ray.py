@@ -13,7 +13,6 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -30,6 +29,10 @@ from hybridflow.scheduler import HybridScheduler, PlacementError
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 OBJECT_STORE = 120 * 1024 * 1024
+RENDEZVOUS_S = 20.0
+"""The ranks' rendezvous limit here: short, so a test of a rank dying mid rendezvous waits little."""
+COLLECTIVE_S = 600.0
+"""Far above it: a survivor that waited for this instead would fail the test."""
 
 
 class TinyHost:
@@ -39,6 +42,7 @@ class TinyHost:
         self.index = index
         self.members = members
         self.rank = -1
+        self.die_in_setup = False
 
     def node_info(self) -> dict[str, Any]:
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
@@ -51,16 +55,16 @@ class TinyHost:
 
     def setup_distributed(self, master_addr: str, master_port: int, rank: int, world_size: int,
                           backend: str) -> None:
-        import torch
-        import torch.distributed as dist
+        from hybridflow.workers import distributed
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=60))
+        if self.die_in_setup:
+            os._exit(1)  # the way a SIGKILL mid rendezvous looks to the others: no store, no peer
+        distributed.setup(master_addr, master_port, rank, world_size, backend, timeout_s=COLLECTIVE_S,
+                          rendezvous_s=RENDEZVOUS_S)
         self.rank = rank
+
+    def die_in_next_setup(self) -> None:
+        self.die_in_setup = True
 
     def all_reduce_rank(self) -> float:
         """sum over ranks of (rank + 1): n(n+1)/2 when every rank took part."""
@@ -198,6 +202,21 @@ class TestSingleNode:
         assert s.lost_hosts(timeout=30) == []
         assert s.get_status()["nodes"]["critic"]["workers"][1]["pid"] != old_pid
         s.setup_distributed_all()
+        assert ray.get([h.all_reduce_rank.remote() for h in s.hosts("critic")]) == [3.0, 3.0]
+
+    def test_a_rank_dying_while_the_group_forms_is_reported_as_lost_and_the_group_forms_again(
+            self, local_sched: HybridScheduler) -> None:
+        s = local_sched
+        ray.get(s.hosts("critic")[0].die_in_next_setup.remote())  # rank 0: the store's server goes with it
+        t0 = time.monotonic()
+        with pytest.raises(ray.exceptions.RayActorError):
+            s.setup_distributed_all()
+        # the survivor gave up after the rendezvous limit (and the store client's backoff), not the collectives'
+        assert time.monotonic() - t0 < COLLECTIVE_S / 2
+        name = s.get_status()["nodes"]["critic"]["workers"][0]["actor"]
+        assert name in s.lost_hosts(timeout=30)
+        s.wait_ready(timeout=60)
+        s.setup_distributed_all()  # the restarted rank 0 starts without the flag
         assert ray.get([h.all_reduce_rank.remote() for h in s.hosts("critic")]) == [3.0, 3.0]
 
     def test_wait_ready_names_a_host_that_stays_dead(self, local_sched: HybridScheduler) -> None:

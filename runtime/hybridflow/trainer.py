@@ -35,6 +35,7 @@ from hybridflow.reporting import ProgressReporter
 from hybridflow.scheduler import HybridScheduler
 from hybridflow.scheduler.group import HostGroup
 from hybridflow.scheduler.head import HeadWatch
+from hybridflow.scheduler.hybrid import WORKER_LOST
 from hybridflow.scheduler.placement import pin_to_pools
 from hybridflow.step import PhaseResult, UpdateResult, run_step, step_record
 from hybridflow.telemetry import StepExporter
@@ -45,8 +46,6 @@ from hybridflow.workers.modeling import quiet_transformers
 
 log = logging.getLogger(__name__)
 
-# errors that mean a worker process died (Ray restarts it through max_restarts)
-WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 LOST_PROBE_S = 60.0
 """How long a host may take to answer before a failed step blames its death (Ray's node health check
 takes about 30 s to declare a vanished pod's raylet dead)."""

@@ -464,6 +464,19 @@ class Graph(ApiModel):
             raise ValueError(f"name {', '.join(map(repr, twice))} appears more than once")
         return nodes
 
+    @field_validator("edges")
+    @classmethod
+    def _ends_are_nodes(cls, edges: list[GraphEdge], info: ValidationInfo) -> list[GraphEdge]:
+        """The CEL rule above, so `hybridflow validate` refuses what the API server refuses."""
+        if "nodes" not in info.data:
+            return edges  # the nodes are invalid themselves; that is the problem to report
+        known = {n.name for n in info.data["nodes"]}
+        unknown = [f"edges[{i}].{end} {name!r} is not a node in graph.nodes"
+                   for i, e in enumerate(edges) for end, name in (("src", e.src), ("dst", e.dst)) if name not in known]
+        if unknown:
+            raise ValueError(f"{'; '.join(unknown)} (nodes: {', '.join(sorted(known))})")
+        return edges
+
 
 class Scheduling(ApiModel):
     placement_timeout_seconds: float = Field(120.0, gt=0.0, le=86400.0)

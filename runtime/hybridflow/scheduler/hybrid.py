@@ -48,6 +48,9 @@ from hybridflow.scheduler.placement import (
 )
 from hybridflow.telemetry import DecisionKind, count_decision
 
+WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+"""Errors that mean a host process died (Ray restarts it up to max_restarts)."""
+
 log = logging.getLogger("hybridflow.scheduler")
 
 NAMESPACE = RAY_NAMESPACE
@@ -302,7 +305,17 @@ class HybridScheduler:
             done = set(ready)
             late = [name for name, r in calls if r not in done]
             raise TimeoutError(f"distributed setup not done within {self.call_timeout_s:g}s: {', '.join(late)}")
-        ray.get(refs)
+        # Every call has ended, so no rank is still in this rendezvous when the next one starts. A rank that
+        # died takes the others' setup down with it: its own error is the one raised, so the caller sees a
+        # lost worker rather than a store timeout.
+        errors = []
+        for ref in refs:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as e:
+                errors.append(e)
+        if errors:
+            raise next((e for e in errors if isinstance(e, WORKER_LOST)), errors[0])
 
     # -- queries ---------------------------------------------------------------------------------
 

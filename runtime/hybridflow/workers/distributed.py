@@ -22,16 +22,22 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+RENDEZVOUS_S = 30.0
+"""How long forming the group may take. Every rank is called at once on an idle host, so this is seconds even on
+a busy machine; a rank that dies meanwhile (rank 0 holds the store) fails the others within it, not within the
+collectives' timeout, and the controller forms the group again."""
+
+
 def setup(master_addr: str, master_port: int, rank: int, world_size: int, backend: str = "auto",
-          timeout_s: float = 120.0) -> str:
+          timeout_s: float = 120.0, rendezvous_s: float = RENDEZVOUS_S) -> str:
     """(Re)join the process group; a restarted worker calls this again with the same rank."""
     if dist.is_initialized():
         dist.destroy_process_group()
     chosen = resolve_backend(backend)
-    dist.init_process_group(
-        chosen, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                          timeout=timedelta(seconds=rendezvous_s))
+    dist.init_process_group(chosen, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
     return chosen
 
 
