@@ -91,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     official = not args.quick and set(parts) == set(PARTS) and args.out is None
     out = args.out or (RESULTS if official else QUICK_OUT)
     out.mkdir(parents=True, exist_ok=True)
+    work = QUICK_OUT if official else out  # the runs' own files (checkpoints, logs) stay out of the repository
     results, walls = {}, {}
     for part in parts:
         saved = out / f"reliability-{part}.json"
@@ -100,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kept = json.loads(saved.read_text())
         else:
             start = time.monotonic()
-            kept = {"wall_s": 0.0, "result": RUNNERS[part](out / part, not args.quick)}
+            kept = {"wall_s": 0.0, "result": RUNNERS[part](work / part, not args.quick)}
             kept["wall_s"] = round(time.monotonic() - start, 1)
             saved.write_text(json.dumps(kept, indent=2) + "\n")
         results[part], walls[part] = kept["result"], kept["wall_s"]
