@@ -15,6 +15,7 @@ from hybridflow.graph import builtin_graph, rollout_gpus
 from hybridflow.k8s.layout import plan_layout
 from hybridflow.k8s.render import render_children
 from hybridflow.k8s.settings import DEFAULT_GPU_PRODUCTS, RenderSettings
+from hybridflow.plan import graph_problems
 from hybridflow.preflight import preflight, tensor_parallel_problems
 from hybridflow.scheduler.placement import actor_options, plan_placement
 
@@ -119,3 +120,17 @@ def test_preflight_says_nothing_when_the_model_config_is_unreadable(tmp_path: Pa
     spec = _tiny(3).model_copy(deep=True)
     spec.model.policy.path = str(tmp_path / "absent")
     assert tensor_parallel_problems(spec) == []
+
+
+def test_a_written_graph_must_give_the_actor_its_engines_gpus() -> None:
+    spec = parse_job(grpo(2)).spec
+    written = builtin_graph(spec, "GPU").to_spec().model_dump(by_alias=True, mode="json", exclude_none=True)
+    actor = next(i for i, n in enumerate(written["nodes"]) if n["role"] == "actor_rollout")
+    written["nodes"][actor]["resources"] = {"GPU": 1}
+    doc = grpo(2)
+    doc["spec"]["graph"] = written
+    (problem,) = graph_problems(parse_job(doc).spec)
+    assert problem.startswith(f"spec.graph.nodes[{actor}]: one instance of 'actor_rollout' holds 1 GPUs")
+    assert "spec.rollout.tensorParallelSize 2 needs 2 for one vLLM engine" in problem
+    written["nodes"][actor]["resources"] = {"GPU": 2}
+    assert graph_problems(parse_job(doc).spec) == []
