@@ -6,10 +6,15 @@
 #   make bench-runtime BENCH_ARGS=--quick   smoke run, 4 steps, outputs under runs/ only
 #   make bench-runtime BENCH_ARGS=--render  redraw runtime.png and the README section from runtime.json
 #                                           (prose: benchmarks/templates/runtime.md)
+#   make bench-weight-sync                  full state-dict copy vs bucketed streaming after an update, plain
+#                                           and FSDP2 on 2 gloo ranks (~1 minute): results/weight_sync.json
 
 BENCH_ARGS ?=
 
-.PHONY: bench-runtime
+.PHONY: bench-runtime bench-weight-sync
 
 bench-runtime: venv
 	$(PYTHON) -m benchmarks.runtime $(BENCH_ARGS)
+
+bench-weight-sync: venv
+	$(PYTHON) -m benchmarks.weight_sync

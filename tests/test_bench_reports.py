@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import runtime
+from benchmarks import runtime, weight_sync
 from benchmarks.operator import report
 from benchmarks.operator.summarise import FormatError, check_format, summarise
 
@@ -30,6 +30,15 @@ def test_runtime_section_is_rendered_from_runtime_json() -> None:
     results = json.loads((RESULTS / "runtime.json").read_text())
     assert results["format"] == runtime.FORMAT
     assert runtime.markdown(results) == section(runtime.BEGIN, runtime.END)
+
+
+def test_weight_sync_section_is_rendered_from_weight_sync_json() -> None:
+    results = json.loads((RESULTS / "weight_sync.json").read_text())
+    assert weight_sync.render(results) == section(weight_sync.BEGIN, weight_sync.END)
+    plain, fsdp = results["plain"], results["fsdp2"]
+    assert fsdp["slices_match"]
+    for case in (plain, fsdp):  # streaming never holds more than a full copy does
+        assert case["bucketed"]["peak_extra_mib"] < case["full_copy"]["peak_extra_mib"]
 
 
 def test_a_results_file_of_another_format_is_refused() -> None:

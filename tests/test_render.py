@@ -476,8 +476,11 @@ def test_worker_group_for_no_pool() -> None:
 def test_built_in_graph_on_a_group_without_gpus() -> None:
     job = example("grpo-job.yaml")
     job["spec"]["cluster"]["workerGroups"][0]["gpusPerWorker"] = 0
+    job["spec"]["rollout"]["engine"] = "torch"  # vllm without a GPU group is the spec's own refusal
     err = render_error(job)
     assert (err.field, err.reason) == ("spec.cluster.workerGroups[0]", "InsufficientGPUs")
+    job["spec"]["rollout"]["engine"] = "vllm"
+    assert "rollout.engine vllm runs on GPUs" in render_error(job).message
 
 
 def test_invalid_graph_is_a_render_error() -> None:

@@ -309,6 +309,11 @@ def _add_loop(g: DataflowGraph, actor: Node, consumers: Iterable[Node], trainer:
     g.edge(Edge(trainer, actor, data_type="updated_policy", control=True, consistency="strong"))
 
 
+def rollout_gpus(spec: RLTrainingJobSpec) -> int:
+    """GPUs one rollout engine spans: vLLM's rollout.tensorParallelSize, else 1 (torch generate is unsharded)."""
+    return spec.rollout.tensor_parallel_size if spec.rollout.engine == "vllm" else 1
+
+
 def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = "GPU",
                   parallelism: int = 1, critic_parallelism: int | None = None) -> DataflowGraph:
     """The algorithm's graph: actor_rollout, reference and reward share bundles; the critic, for the
@@ -317,17 +322,22 @@ def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = 
 
     On GPUs each actor bundle is one GPU split 0.5/0.25/0.25 between actor, reference and reward; a
     reference that shares the LoRA policy's module (reference_in_policy) holds no model and asks for none.
+    A vLLM engine of tensorParallelSize N > 1 makes the bundle N whole GPUs, all the actor's: the engine's
+    workers are the actor process's children on them, and reward and reference models run in that process on
+    the same GPUs (a share above 1 must be whole, so N cannot be split 2:1:1 for every N).
     """
     algo = spec.algorithm.name
     g = DataflowGraph(algo)
     gpu = accelerator == "GPU"
-    model_reward = spec.reward.type == "model"
-    actor = g.node(Node("actor_rollout", "actor_rollout", {"GPU": 0.5} if gpu else {"CPU": 1}, parallelism, "actor"))
+    tp = rollout_gpus(spec)
+    split = gpu and tp == 1
+    actor_res: dict[str, float] = {"GPU": 0.5 if tp == 1 else float(tp)} if gpu else {"CPU": 1.0}
+    actor = g.node(Node("actor_rollout", "actor_rollout", actor_res, parallelism, "actor"))
     consumers: list[Node] = []
-    reward_res = {"GPU": 0.25} if gpu and model_reward else {}
+    reward_res = {"GPU": 0.25} if split and spec.reward.type == "model" else {}
     consumers.append(g.node(Node("reward_score", "reward", reward_res, parallelism, "actor")))
     if needs_reference(spec):
-        ref_res = {"GPU": 0.25} if gpu and not reference_in_policy(spec) else {}
+        ref_res = {"GPU": 0.25} if split and not reference_in_policy(spec) else {}
         consumers.append(g.node(Node("reference", "reference", ref_res, parallelism, "actor")))
     trainer = actor
     if spec.algorithm.trains_critic:

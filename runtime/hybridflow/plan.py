@@ -13,7 +13,16 @@ from types import MappingProxyType
 from typing import Literal
 
 from hybridflow.api.spec import ALGORITHMS, CRITIC_ALGORITHMS, RLTrainingJobSpec, Role
-from hybridflow.graph import ROLES, ColocationGroup, DataflowGraph, GraphError, Node, needs_reference, spec_graph
+from hybridflow.graph import (
+    ROLES,
+    ColocationGroup,
+    DataflowGraph,
+    GraphError,
+    Node,
+    needs_reference,
+    rollout_gpus,
+    spec_graph,
+)
 
 REQUIRED_ROLES: Mapping[str, tuple[Role, ...]] = MappingProxyType({
     algo: ("actor_rollout", "reward", "critic") if algo in CRITIC_ALGORITHMS else ("actor_rollout", "reward")
@@ -99,8 +108,22 @@ def training_problems(graph: DataflowGraph, spec: RLTrainingJobSpec) -> list[str
     actors = graph.by_role("actor_rollout")
     if len(actors) == 1:
         problems += _feed_problems(graph, spec, actors[0], at)
+        problems += _engine_problems(graph, spec, actors[0], at)
     problems += _rank_problems(graph, spec, at)
     return problems
+
+
+def _engine_problems(graph: DataflowGraph, spec: RLTrainingJobSpec, actor: Node, at: _Locator) -> list[str]:
+    """A tensor-parallel vLLM engine runs on the GPUs of the actor's one bundle, so the bundle must hold them
+    (a graph on GPUs; the built-in graph sizes it so)."""
+    tp = rollout_gpus(spec)
+    group = next((g for g in graph.colocation_groups() if any(n.name == actor.name for n in g.nodes)), None)
+    gpus = float(group.bundle.get("GPU", 0.0)) if group is not None else actor.gpus
+    if tp == 1 or gpus <= 0 or gpus >= tp:
+        return []
+    return [f"{at.node(actor)}: one instance of {actor.name!r} holds {gpus:g} GPUs with the nodes it shares a "
+            f"process with, but spec.rollout.tensorParallelSize {tp} needs {tp} for one vLLM engine; give "
+            f"{actor.name!r} resources {{GPU: {tp}}}"]
 
 
 def _critic_hint(algo: str, role: str) -> str:

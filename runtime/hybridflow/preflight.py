@@ -24,6 +24,7 @@ def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
         except ModelPathError as e:
             problems.append(str(e))
     problems += lora_problems(spec)
+    problems += tensor_parallel_problems(spec)
     if spec.reward.type == "function":
         try:
             resolve_reward_function(spec.reward.function)
@@ -39,6 +40,27 @@ def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
         problems.append("spec.rollout.engine: 'vllm' needs a GPU; use 'torch' on CPU-only machines")
     problems += missing_extras(spec.trainer.loggers.backends)
     return problems
+
+
+def tensor_parallel_problems(spec: RLTrainingJobSpec) -> list[str]:
+    """vLLM gives each tensor-parallel rank heads / tensorParallelSize attention heads: it must divide them
+    (read from the policy's config.json; nothing to say when it cannot be read, which is reported above)."""
+    tp = spec.rollout.tensor_parallel_size
+    if spec.rollout.engine != "vllm" or tp == 1:
+        return []
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(check_model_dir(spec.model.policy.path, "spec.model.policy.path"))
+    except (ModelPathError, OSError, ValueError):
+        return []
+    heads = getattr(config.get_text_config(), "num_attention_heads", None)
+    if not isinstance(heads, int) or heads % tp == 0:
+        return []
+    fits = [d for d in range(1, heads + 1) if heads % d == 0]
+    return [f"spec.rollout.tensorParallelSize: {tp} does not divide the policy's {heads} attention heads "
+            f"(spec.model.policy.path's config.json); each tensor-parallel rank takes an equal share, so use one "
+            f"of {', '.join(map(str, fits))}"]
 
 
 def lora_problems(spec: RLTrainingJobSpec) -> list[str]:

@@ -790,6 +790,11 @@ class RLTrainingJobSpec(ApiModel):
         if self.trainer.eval_every and self.data.val is None:
             raise ValueError(_EVAL_WITHOUT_VAL)
         groups = self.cluster.worker_groups
+        tp = self.rollout.tensor_parallel_size
+        if self.rollout.engine == "vllm" and groups and not any(g.gpus_per_worker >= tp for g in groups):
+            # one engine's GPUs are one Ray bundle, which never spans pods
+            raise ValueError(f"{_VLLM_NEEDS_GPU_GROUP} (tensorParallelSize {tp}; the largest worker group has "
+                             f"{max(g.gpus_per_worker for g in groups)})")
         if groups and self.graph is not None and not all(
                 any(g.name == n.pool for g in groups) for n in self.graph.nodes):
             raise ValueError(_POOL_WITHOUT_GROUP)

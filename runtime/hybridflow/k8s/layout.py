@@ -137,15 +137,20 @@ def _user_groups(groups: Sequence[WorkerGroup], pools: Sequence[str]) -> list[Wo
 
 
 def _derived_groups(plan: ResourcePlan) -> list[WorkerGroupPlan]:
-    """GPU pools: ceil(GPUs / 8) pods sharing the GPUs evenly; CPU pools: one pod with the CPUs asked."""
+    """GPU pools: as few pods of up to 8 GPUs as hold the pool, sharing its instances evenly (an instance of k
+    GPUs, such as a tensor-parallel vLLM engine, never straddles two pods); CPU pools: one pod with the CPUs
+    asked."""
     defaults = WorkerGroup(name="default")
     groups = []
     for pool in plan.pools:
-        need: Mapping[str, float] = plan.demand.get(pool, {})
+        need = plan.demand[pool]
         gpus = math.ceil(need.get("GPU", 0.0) - _EPS)
         if gpus > 0:
-            pods = math.ceil(gpus / GPUS_PER_POD)
-            group = WorkerGroupPlan(pool, pods, pods, pods, math.ceil(gpus / pods), defaults.cpus_per_worker,
+            per = max(1, math.ceil(need.largest_bundle.get("GPU", 0.0) - _EPS))
+            room = max(per, GPUS_PER_POD // per * per)
+            pods = math.ceil(gpus / room)
+            each = math.ceil(gpus / pods / per) * per
+            group = WorkerGroupPlan(pool, pods, pods, pods, each, defaults.cpus_per_worker,
                                     defaults.memory, "spec.graph")
         else:
             cpus = max(1, math.ceil(need.get("CPU", 0.0) - _EPS))

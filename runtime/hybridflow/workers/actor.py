@@ -112,7 +112,7 @@ class ActorRolloutWorker:
                            steps_per_epoch=optimizer_steps(self.spec), shuffle=self.shuffle,
                            max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device)
         self.version += 1
-        self.rollout.sync_weights(self.model)
+        self.rollout.sync_weights(self.model, self.version)
         out["actor_grad_norm"] = out.pop("grad_norm")
         return out | training_footprint(self.model, self.optimizer).record("actor")
 
@@ -129,7 +129,7 @@ class ActorRolloutWorker:
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.shuffle.set_state(state["shuffle"])
-        self.rollout.sync_weights(self.model)
+        self.rollout.sync_weights(self.model, self.version)
 
 
 class ReferenceWorker:

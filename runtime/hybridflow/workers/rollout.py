@@ -12,8 +12,9 @@ import torch
 
 from hybridflow.api.spec import Evaluation, Rollout
 from hybridflow.data.chat import CHAT, FORMAT_KEY
-from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
 from hybridflow.workers.lora import is_lora, merged_weights
+from hybridflow.workers.reshard import DEFAULT_BUCKET_BYTES, copy_into, pack, stream_buckets
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,22 @@ class RolloutBackend(Protocol):
         process's random state as it was (an evaluation must not change what training samples next)."""
         ...
 
-    def sync_weights(self, model: torch.nn.Module) -> None: ...
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Make generation run the trained `model`, which is policy `version`; generate refuses any other."""
+        ...
+
+
+def generation_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights generation runs: a LoRA policy's adapters merged into its base weights under the base
+    model's names, else the state dict (DTensors under FSDP2, gathered one at a time by the stream)."""
+    return merged_weights(model) if is_lora(model) else model.state_dict()
+
+
+def check_version(held: int, asked: int) -> None:
+    """Generation for policy `asked` with weights of policy `held` would train on the wrong policy's samples."""
+    if held != asked:
+        raise PolicyVersionError(f"the rollout engine holds policy version {held} but was asked to generate for "
+                                 f"version {asked}: sync_weights(model, {asked}) must come first")
 
 
 def encode_prompts(tokenizer: Any, rows: list[dict[str, str]], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,12 +134,20 @@ def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
 
 
 class TorchRollout:
-    """HF generate on the policy module itself: the update is visible at once, no weight copy needed."""
+    """HF generate, by default on the policy module itself (an update is visible at once, nothing to copy).
+
+    Given a `generation` module of its own (a plain copy next to a sharded trainer), sync_weights streams the
+    trained weights into it bucket by bucket.
+    """
 
     def __init__(self, model: torch.nn.Module, tokenizer, cfg: Rollout, max_prompt_length: int,
-                 max_response_length: int, device: torch.device) -> None:
-        self.model, self.tok, self.cfg, self.device = model, tokenizer, cfg, device
+                 max_response_length: int, device: torch.device, generation: torch.nn.Module | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        self.model = model if generation is None else generation
+        self.tok, self.cfg, self.device = tokenizer, cfg, device
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
+        self.bucket_bytes = bucket_bytes
+        self.version = 0
 
     def encode(self, rows: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
         return encode_prompts(self.tok, rows, self.max_prompt_length)
@@ -131,6 +155,7 @@ class TorchRollout:
     @torch.no_grad()
     def generate(self, rows: list[dict[str, str]], group_ids: list[int], policy_version: int,
                  sampling: Sampling | None = None, seed: int | None = None) -> RolloutBatch:
+        check_version(self.version, policy_version)
         t0 = time.perf_counter()
         how = sampling or Sampling.of(self.cfg)
         ids, mask = self.encode(rows)
@@ -156,15 +181,25 @@ class TorchRollout:
         batch.add_timing("generate", time.perf_counter() - t0)
         return batch
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Nothing to push: generation runs on the trained module."""
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Nothing to copy when generation runs on the trained module; else the buckets, copied in place."""
+        if model is not self.model:
+            for bucket in stream_buckets(generation_state(model), self.bucket_bytes, device=self.device):
+                copy_into(self.model, zip(bucket.names, bucket.tensors, strict=True))
+        self.version = version
 
 
 class VllmRollout:
-    """vLLM's offline `LLM` engine; after each update the trained weights are loaded into it."""
+    """vLLM's offline `LLM` engine, asleep while the policy trains; after each update the trained weights
+    stream into every vLLM worker in buckets, through the worker extension's methods (hybridflow.workers.
+    vllm_ext) called by name: no function is pickled, so vLLM needs no insecure serialization.
+
+    Each worker receives whole tensors on the host and vLLM's own loaders copy that rank's tensor-parallel
+    block to its GPU: they fuse q/k/v and gate/up into one parameter, so they, not we, know where a block goes.
+    """
 
     def __init__(self, model_path: str, tokenizer, cfg: Rollout, max_prompt_length: int, max_response_length: int,
-                 dtype: str, seed: int) -> None:
+                 dtype: str, seed: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         from vllm import LLM
 
         self.tok, self.cfg = tokenizer, cfg
@@ -173,9 +208,16 @@ class VllmRollout:
             model=model_path, tensor_parallel_size=cfg.tensor_parallel_size,
             gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=dtype, seed=seed,
             max_model_len=max_prompt_length + max_response_length, enable_prefix_caching=True,
+            enable_sleep_mode=True, worker_extension_cls=VLLM_EXTENSION,
+            # the actor's Ray bundle holds all tensor_parallel_size GPUs: vLLM's workers are this process's
+            # children on them, not Ray actors asking for bundles of their own
+            distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
         )
         self.max_response_length = max_response_length
         self.params = self._params(Sampling.of(cfg), None)
+        self.bucket_bytes = bucket_bytes
+        self.version = 0
+        self.asleep = False
 
     def _params(self, how: Sampling, seed: int | None) -> Any:
         from vllm import SamplingParams
@@ -185,10 +227,13 @@ class VllmRollout:
 
     def generate(self, rows: list[dict[str, str]], group_ids: list[int], policy_version: int,
                  sampling: Sampling | None = None, seed: int | None = None) -> RolloutBatch:
-        """`sampling` and `seed` (per request) override the rollout's settings, as an evaluation asks."""
+        """`sampling` and `seed` (per request) override the rollout's settings, as an evaluation asks. The
+        engine sleeps afterwards (weights to host memory, KV cache dropped) so training has the GPU."""
         from vllm.inputs import TokensPrompt
 
+        check_version(self.version, policy_version)
         t0 = time.perf_counter()
+        self.wake()
         how = sampling or Sampling.of(self.cfg)
         # one seed per request: the same seed for every request would repeat a prompt's samples
         params = ([self._params(how, seed + i) for i in range(len(rows))] if seed is not None
@@ -197,6 +242,7 @@ class VllmRollout:
         prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
                    for ids, m in zip(prompt_ids, prompt_mask, strict=True)]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.sleep()
         width = self.max_response_length
         pad = self.tok.pad_token_id
         resp = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -209,16 +255,37 @@ class VllmRollout:
         batch.add_timing("generate", time.perf_counter() - t0)
         return batch
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Push the trained parameters into every vLLM worker through its public collective RPC (a LoRA
-        policy's adapters merged into its base weights, under the base model's names)."""
-        state = merged_weights(model) if is_lora(model) else model.state_dict()
-        weights = [(name, p.detach()) for name, p in state.items()]
-        self.llm.collective_rpc(_load_weights, args=(weights,))
+    def sleep(self) -> None:
+        """Level 1: weights kept in host memory, KV cache freed."""
+        if not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Weights first (the KV cache stays freed while buckets arrive), then the KV cache; cached prefixes
+        were computed by the old policy, so they go."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        for bucket in stream_buckets(generation_state(model), self.bucket_bytes, device=torch.device("cpu")):
+            self.llm.collective_rpc("load_bucket", args=pack(bucket))
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def weight_sums(self) -> list[dict[str, float]]:
+        """Per vLLM worker: the sum of each of its parameters (its tensor-parallel block), to check a load."""
+        return list(self.llm.collective_rpc("weight_sums"))
 
 
-def _load_weights(worker, weights) -> None:  # runs inside each vLLM worker
-    worker.model_runner.model.load_weights(weights=weights)
+VLLM_EXTENSION = "hybridflow.workers.vllm_ext.WeightLoader"
+"""Given to vLLM as worker_extension_cls: its methods join every vLLM worker's, callable by name."""
 
 
 def make_rollout(engine: str, model: torch.nn.Module, model_path: str, tokenizer, cfg: Rollout,

@@ -1,0 +1,40 @@
+"""scripts/gpu-check.sh --cpu: the GPU check's CPU-possible parts run here, so the prepared GPU run is not
+its own first test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_gpu_check_script_runs_its_cpu_parts(tmp_path: Path) -> None:
+    env = os.environ | {"OUT": str(tmp_path), "PYTHON": sys.executable, "HYBRIDFLOW_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([str(ROOT / "scripts" / "gpu-check.sh"), "--cpu"], env=env, capture_output=True,
+                          text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    checks = report["checks"]
+    assert report["mode"] == "cpu" and report["failed"] == []
+    assert checks["fsdp2_mixed_precision"]["status"] == "ok"
+    fsdp = checks["fsdp2_mixed_precision"]["detail"]
+    assert fsdp["losses"][-1] < fsdp["losses"][0] and fsdp["param_dtypes"] == ["torch.float32"]
+    assert checks["reshard_torch_rollout"]["status"] == "ok"
+    assert checks["reshard_torch_rollout"]["detail"]["version"] == 1
+    assert checks["process_group"]["detail"] == {"backend": "gloo", "world_size": 1}
+    assert checks["ulysses"]["status"] in ("ok", "absent")
+    assert checks["vllm_weight_load"] == {"status": "skipped", "detail": "vLLM needs a GPU",
+                                          "seconds": checks["vllm_weight_load"]["seconds"]}
+
+
+def test_without_a_gpu_the_full_check_says_to_use_cpu(tmp_path: Path) -> None:
+    env = os.environ | {"OUT": str(tmp_path), "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([str(ROOT / "scripts" / "gpu-check.sh")], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 2
+    assert "no CUDA device: run with --cpu" in done.stderr
+    assert not (tmp_path / "gpu-check.json").exists()
