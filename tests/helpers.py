@@ -60,6 +60,19 @@ class Verdict:
         return str(self.body.get("message", ""))
 
 
+def as_kubectl_sends(value: Any) -> Any:
+    """A decoded YAML file's numbers as kubectl and GitOps tools send them: they turn YAML into JSON in Go, which
+    writes a float64 with no fraction below 1e21 as digits alone (YAML's 2.0 arrives as the integer 2; JSON's
+    2.0 would stay a float, which a CEL rule reading an integer refuses)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e21:
+        return int(value)
+    if isinstance(value, Mapping):
+        return {k: as_kubectl_sends(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [as_kubectl_sends(v) for v in value]
+    return value
+
+
 class DryRun:
     """Dry-run creates of RLTrainingJobs over one kept-alive HTTPS connection: the API server's whole admission
     (strict field validation, schema, defaults, CEL rules) and nothing stored; a few ms each, where a kubectl
@@ -76,7 +89,7 @@ class DryRun:
         self._conn: http.client.HTTPSConnection | None = None
 
     def create(self, obj: Mapping[str, Any]) -> Verdict:
-        body = json.dumps(obj, allow_nan=False).encode()
+        body = json.dumps(as_kubectl_sends(obj), allow_nan=False).encode()
         for attempt in range(2):
             if self._conn is None:
                 self._conn = http.client.HTTPSConnection(self._host, self._port, context=self._context, timeout=30)

@@ -189,6 +189,8 @@ FOUND = [
     ("tensor-parallel-without-vllm", {"rollout": {"engine": "torch", "tensorParallelSize": 2}}, False),
     ("graph-pool-without-a-worker-group", {"graph": {"nodes": [{"name": "a", "role": "actor_rollout", "pool": "p"}]},
                                            "cluster": {"workerGroups": [{"name": "other"}]}}, False),
+    ("integral-float-replica-bound", {"cluster": {"workerGroups": [{"name": "g", "replicas": 2, "minReplicas": 1.0}]}},
+     True),
     ("graph-edge-to-an-unknown-node", {"graph": {"nodes": [{"name": "a", "role": "actor_rollout"}],
                                                  "edges": [{"src": "a", "dst": "x"}]}}, False),
 ]
