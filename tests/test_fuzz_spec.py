@@ -191,6 +191,7 @@ FOUND = [
                                            "cluster": {"workerGroups": [{"name": "other"}]}}, False),
     ("integral-float-replica-bound", {"cluster": {"workerGroups": [{"name": "g", "replicas": 2, "minReplicas": 1.0}]}},
      True),
+    ("null-in-a-string-map", {"cluster": {"nodeSelector": {"a": None, "b": "x"}}}, True),
     ("graph-edge-to-an-unknown-node", {"graph": {"nodes": [{"name": "a", "role": "actor_rollout"}],
                                                  "edges": [{"src": "a", "dst": "x"}]}}, False),
 ]

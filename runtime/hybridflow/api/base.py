@@ -26,11 +26,13 @@ class ApiModel(BaseModel):
     @classmethod
     def _null_is_absent(cls, data: Any) -> Any:
         """A null where the field takes none is the field left out, as the API server reads it: a structural
-        schema prunes such nulls before defaulting. A field that takes null (`dualClipC: null`) keeps it."""
+        schema prunes such nulls before defaulting, and so a null value in a map (`nodeSelector: {a: null}`).
+        A field that takes null (`dualClipC: null`) keeps it."""
         if not isinstance(data, dict):
             return data
-        absent = _not_nullable(cls)
-        return {k: v for k, v in data.items() if v is not None or k not in absent}
+        absent, maps = _not_nullable(cls), _maps_without_null(cls)
+        return {k: {mk: mv for mk, mv in v.items() if mv is not None} if k in maps and isinstance(v, dict) else v
+                for k, v in data.items() if v is not None or k not in absent}
 
     def to_yaml_dict(self) -> dict:
         """The camelCase form, without unset optional fields."""
@@ -47,4 +49,21 @@ def _not_nullable(model: type[BaseModel]) -> frozenset[str]:
         nullable = annotation is Any or annotation is None or (union and type(None) in typing.get_args(annotation))
         if not nullable:
             out.add(field.alias or name)
+    return frozenset(out)
+
+
+@functools.cache
+def _maps_without_null(model: type[BaseModel]) -> frozenset[str]:
+    """Aliases of the model's map fields (dict[str, X]) whose values cannot be null."""
+    out: set[str] = set()
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            options = [a for a in typing.get_args(annotation) if a is not type(None)]
+            annotation = options[0] if len(options) == 1 else None
+        if typing.get_origin(annotation) is dict:
+            value = typing.get_args(annotation)[1]
+            union = typing.get_origin(value) in (typing.Union, types.UnionType)
+            if not (value is Any or (union and type(None) in typing.get_args(value))):
+                out.add(field.alias or name)
     return frozenset(out)
