@@ -66,6 +66,7 @@ def table(doc: Mapping[str, Any]) -> str:
     lines = [BEGIN, "",
              f"Measured {doc['date']} on {doc['machine']} (`make chaos`: "
              + ", ".join(f"{part} {s / 60:.0f} min" for part, s in doc.get("part_wall_s", {}).items())
+             + (f"; {', '.join(doc['reused'])} as measured by the run before (`--reuse`)" if doc.get("reused") else "")
              + f"; `{doc.get('results', 'benchmarks/results/reliability.json')}`).", "",
              "| fault | part | injected | survived | duplicates | losses | recovery p50 | recovery p95 |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
