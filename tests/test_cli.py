@@ -133,10 +133,11 @@ def test_impossible_graph(tmp_path, example_doc) -> None:
     doc["spec"]["graph"] = {
         "nodes": [{"name": "actor", "role": "actor_rollout", "resources": {"GPU": 1}},
                   {"name": "rm", "role": "reward", "resources": {"GPU": 0.5}}],
-        "edges": [{"src": "actor", "dst": "rm", "coLocate": True}, {"src": "actor", "dst": "ghost"}],
+        "edges": [{"src": "actor", "dst": "rm", "coLocate": True}, {"src": "rm", "dst": "actor"}],
     }
     out = hybridflow("validate", write(tmp_path, doc))
-    assert_clean_failure(out, "spec.graph: edge actor->ghost: unknown node 'ghost'", "cannot share a bundle")
+    assert_clean_failure(out, "spec.graph: cycle through actor, rm is not closed by a control edge",
+                         "cannot share a bundle")
 
 
 @pytest.mark.slow

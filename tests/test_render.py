@@ -485,10 +485,19 @@ def test_built_in_graph_on_a_group_without_gpus() -> None:
 
 def test_invalid_graph_is_a_render_error() -> None:
     job = with_reward_pool(example())
-    job["spec"]["graph"]["edges"].append({"src": "critic", "dst": "nowhere"})
+    nodes = [n["name"] for n in job["spec"]["graph"]["nodes"]]
+    job["spec"]["graph"]["edges"] += [{"src": nodes[0], "dst": nodes[1]}, {"src": nodes[1], "dst": nodes[0]}]
     err = render_error(job)
     assert (err.field, err.reason) == ("spec.graph", "InvalidGraph")
-    assert "nowhere" in err.message
+    assert "cycle" in err.message
+
+
+def test_an_edge_to_no_node_is_refused_by_the_spec_as_by_the_api_server() -> None:
+    job = with_reward_pool(example())
+    job["spec"]["graph"]["edges"].append({"src": "critic", "dst": "nowhere"})
+    err = render_error(job)
+    assert err.reason == "InvalidSpec"
+    assert "spec.graph.edges: edges[" in err.message and "'nowhere' is not a node in graph.nodes" in err.message
 
 
 def test_replicas_outside_min_and_max() -> None:
