@@ -20,6 +20,7 @@ history, which a checkpoint (DCP, `save`/`load`) keeps exactly.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -46,18 +47,27 @@ def layout_kind(world: int, shard: bool, dtype: torch.dtype, lora: bool) -> Layo
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each block in the backward pass (non-reentrant: works with frozen inputs and FSDP)."""
-    hf = next((m for m in model.modules() if hasattr(m, "gradient_checkpointing_enable")), None)
+    names = ("activation_checkpointing_enable", "gradient_checkpointing_enable")  # transformers >= 5.x, before
+    hf = next((m for m in model.modules() if any(hasattr(m, n) for n in names)), None)
     if hf is None:
         raise ValueError("spec.trainer.training.gradientCheckpointing: the model has no Hugging Face module to "
                          "checkpoint")
-    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(hf, names[0]):
+        getattr(hf, names[0])(activation_checkpointing_kwargs=kwargs)
+    else:
+        getattr(hf, names[1])(gradient_checkpointing_kwargs=kwargs)
+
+
+def checkpoints_activations(model: torch.nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _fully_shard() -> tuple[Any, Any]:
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard  # type: ignore[no-redef]
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
     return fully_shard, MixedPrecisionPolicy
 
 
@@ -136,6 +146,7 @@ class RoleTraining:
             self._checkpointing = True
         names = [n for n, _ in named]
         compute: list[torch.Tensor] = []
+        params: list[torch.Tensor]
         if kind == "sharded":
             module = shard_model(self.model, dtype, self.device)
             by_name = dict(module.named_parameters())
@@ -145,7 +156,8 @@ class RoleTraining:
             compute = [p for _, p in named]
             params = [p.detach().float().clone().requires_grad_(True) for p in compute]
         else:
-            module, params = self.model, [p for _, p in named]
+            module = self.model
+            params = [p for _, p in named]
         optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
         return Layout(kind, world, module, names, params, optimizer, compute)
 
@@ -243,9 +255,9 @@ class RoleTraining:
         where it is the stepped parameters (plain) or holds the gradients (masters)."""
         lay = self.layout
 
-        def size(ts: list[torch.Tensor | None]) -> int:
+        def size(ts: Sequence[torch.Tensor | None]) -> int:
             return sum(local(t).numel() * local(t).element_size() for t in ts if t is not None)
 
         state = [v for s in lay.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         grads = [p.grad for p in lay.params] + [p.grad for p in lay.compute]
-        return {"params": size(list(lay.params)), "grads": size(grads), "optimizer": size(state)}
+        return {"params": size(lay.params), "grads": size(grads), "optimizer": size(state)}
