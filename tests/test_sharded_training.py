@@ -9,15 +9,19 @@ of parallelism, and measure what each holds for training.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from hybridflow import algos, dcp
+from hybridflow import algos, checkpoint, dcp
+from hybridflow.api import parse_job
 from hybridflow.workers.modeling import response_log_probs
 from hybridflow.workers.training import checkpoints_activations, layout_kind
+from tests.graph_rules import ppo_graph, set_parallelism
+from tests.helpers import train_in_fresh_ray
 from tests.sharded_ranks import CPU, make_batch, new_training, spawn_ranks, train, weights
 
 TOL = 1e-6
@@ -156,3 +160,31 @@ def test_the_training_state_is_weights_and_adams_moments_as_tensors(tmp_path: Pa
     state = dcp.read_full(tmp_path)
     assert {k.rsplit(".", 1)[-1] for k in state if k.startswith("optim.")} == {"step", "exp_avg", "exp_avg_sq"}
     assert all(isinstance(v, torch.Tensor) for v in state.values())
+
+
+# -- through the trainer, on local Ray ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_run_resumes_with_another_number_of_critic_ranks(example_doc, tmp_path: Path) -> None:
+    """2 critic ranks checkpoint step 2, 1 rank resumes it to step 3, 2 ranks again to step 4."""
+
+    def job(ranks: int, steps: int) -> Any:
+        doc = example_doc("tiny-ppo.yaml")
+        doc["metadata"]["name"] = f"sharded-resume-{abs(hash(tmp_path)) % 10_000}"
+        doc["spec"]["graph"] = set_parallelism(ppo_graph(), "critic", ranks)
+        doc["spec"]["data"]["batchSize"] = 32
+        doc["spec"]["algorithm"]["miniBatchSize"] = 16
+        doc["spec"]["trainer"].update(totalSteps=steps, resume="auto",
+                                      checkpoint={"every": 1, "keep": 5, "path": str(tmp_path / "ckpt")})
+        return parse_job(doc)
+
+    metrics = tmp_path / "m.jsonl"
+    for ranks, steps in ((2, 2), (1, 3), (2, 4)):
+        result = train_in_fresh_ray(job(ranks, steps), metrics)
+        assert result["last_checkpoint"].endswith(f"step_{steps:08d}")
+        shards = checkpoint.training_dir(result["last_checkpoint"], "critic_0", "critic").glob("*.distcp")
+        assert len(list(shards)) == ranks
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["critic_loss"]) for r in records)
