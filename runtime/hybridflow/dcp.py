@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dist_cp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     FileSystemReader,
@@ -36,6 +37,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+
+from hybridflow.checkpoint import CheckpointWriteError, write_problem
 
 INDEX_FILE = ".metadata"
 
@@ -130,9 +133,20 @@ def _tensors_only(state: dict[str, Any]) -> None:
 def save(state: dict[str, torch.Tensor], directory: str | Path) -> None:
     """Write `state` (plain tensors or DTensors) into `directory`; every rank of the default group calls it."""
     _tensors_only(state)
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    with _alone_is_fine():
-        dist_cp.save(state, storage_writer=JsonIndexWriter(str(directory)), no_dist=not dist.is_initialized())
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with _alone_is_fine():
+            dist_cp.save(state, storage_writer=JsonIndexWriter(str(directory)), no_dist=not dist.is_initialized())
+    except (OSError, RuntimeError, CheckpointException) as e:
+        raise CheckpointWriteError(f"cannot write checkpoint files in {directory}: "
+                                   f"{write_problem(_first_failure(e), Path(directory))}") from None
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """DCP gathers each rank's exception into one CheckpointException; the first rank's tells the cause."""
+    if isinstance(error, CheckpointException) and error.failures:
+        return error.failures[min(error.failures)][0]
+    return error
 
 
 def load(state: dict[str, torch.Tensor], directory: str | Path) -> None:
