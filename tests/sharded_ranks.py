@@ -17,7 +17,7 @@ from hybridflow.workers import distributed
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.modeling import load_causal_lm, quiet_transformers, response_log_probs
 from hybridflow.workers.optim import train_epochs
-from hybridflow.workers.training import RoleTraining, checkpoints_activations
+from hybridflow.workers.training import RoleTraining, checkpoints_activations, full
 
 CPU = torch.device("cpu")
 PROMPT, RESPONSE = 4, 6
@@ -71,8 +71,7 @@ def ranks_main(rank: int, world: int, port: int, out: str, from_one: str) -> Non
     """Every scenario of the tests on `world` ranks; rank 0 writes the full weights and byte counts."""
     torch.set_num_threads(1)
     distributed.setup("127.0.0.1", port, rank, world, "gloo", timeout_s=300)
-    full = make_batch(8, seed=1)
-    shard = full.shard(world)[rank]
+    shard = make_batch(8, seed=1).shard(world)[rank]
     res: dict[str, Any] = {}
 
     t = new_training()
@@ -106,6 +105,15 @@ def ranks_main(rank: int, world: int, port: int, out: str, from_one: str) -> Non
     train(checkpointed, shard, 3)
     res["w3_checkpointed"] = weights(checkpointed)
     res["checkpointing_on"] = checkpoints_activations(checkpointed.module)
+
+    bf16 = new_training("bfloat16", lr=1e-6)
+    res["bf16_kind"] = bf16.layout.kind
+    before = [full(p.detach()).clone() for p in bf16.layout.params]
+    train(bf16, shard, 10)
+    after = [full(p.detach()) for p in bf16.layout.params]
+    res["bf16_masters_changed"] = sum(int((a != b).sum()) for a, b in zip(after, before, strict=True))
+    res["bf16_total"] = sum(b.numel() for b in before)
+    res["bf16_master_dtype"] = str(after[0].dtype)
     if rank == 0:
         torch.save(res, Path(out) / "ranks.pt")
     torch.distributed.barrier()

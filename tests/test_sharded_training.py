@@ -146,6 +146,15 @@ def test_bf16_weights_move_at_a_small_learning_rate_with_fp32_masters() -> None:
     assert pure_changed / total < 0.2
 
 
+def test_sharded_bf16_training_steps_fp32_weights(runs: dict[str, Any]) -> None:
+    """FSDP2 with a bf16 model: bf16 compute, fp32 sharded weights that a step of 1e-6 moves."""
+    ranks = runs["ranks"]
+    assert ranks["bf16_kind"] == "sharded" and ranks["bf16_master_dtype"] == "torch.float32"
+    changed = ranks["bf16_masters_changed"] / ranks["bf16_total"]
+    print(f"\nbf16 on 2 sharded ranks, lr 1e-6, 10 steps: fp32 weights changed {changed:.2%}")
+    assert changed > 0.99
+
+
 def test_the_layout_follows_ranks_shard_and_dtype() -> None:
     assert layout_kind(2, True, torch.bfloat16, lora=False) == "sharded"
     assert layout_kind(2, False, torch.bfloat16, lora=False) == "masters"
