@@ -172,10 +172,10 @@ class WorkerHost:
         trainable = self._trainable()
         if not trainable:
             return ""
+        for role, worker in trainable.items():  # first: a failure there is every rank's (DCP gathers them)
+            worker.training.save(checkpoint.training_dir(directory, name, role))
         path = Path(directory) / f"{name}.pt"
         checkpoint.save_state(self.export_state(with_model=distributed.rank() == 0), path)
-        for role, worker in trainable.items():
-            worker.training.save(checkpoint.training_dir(directory, name, role))
         return str(path)
 
     def load(self, directory: str, name: str) -> bool:
