@@ -195,3 +195,20 @@ def test_examples_mount_every_path_they_read_and_write(name: str) -> None:
     (token,) = [e for e in spec.cluster.env if e.name == "HF_TOKEN"]
     assert token.value_from is not None and token.value_from.secret_key_ref is not None
     assert (token.value_from.secret_key_ref.name, token.value_from.secret_key_ref.key) == ("hf-token", "token")
+
+
+def test_the_training_options_name_the_field_and_what_it_takes(example_doc) -> None:
+    doc = example_doc("tiny-ppo.yaml")
+    doc["spec"]["trainer"]["training"] = {"microBatchSize": 0, "shard": "sometimes", "gradientCheckpoint": True}
+    with pytest.raises(SpecError) as info:
+        parse_job(doc)
+    problems = info.value.problems
+    assert len(problems) == 3, problems
+    assert any(p.startswith("spec.trainer.training.microBatchSize:") and "greater than or equal to 1" in p
+               for p in problems)
+    assert any(p.startswith("spec.trainer.training.shard:") and "boolean" in p for p in problems)
+    assert any(p.startswith("spec.trainer.training.gradientCheckpoint: unknown field") for p in problems)
+    doc["spec"]["trainer"]["training"] = {"microBatchSize": 4, "gradientCheckpointing": True, "shard": False}
+    training = parse_job(doc).spec.trainer.training
+    assert (training.micro_batch_size, training.gradient_checkpointing, training.shard) == (4, True, False)
+    assert parse_job(example_doc("tiny-ppo.yaml")).spec.trainer.training.shard

@@ -42,3 +42,13 @@ def test_the_trainer_names_what_failed_in_a_checkpoint_write() -> None:
     own = OSError(errno.ENOSPC, "No space left on device", "/c/.tmp/job.json")
     assert _write_failure(own) == "cannot write /c/.tmp/job.json: No space left on device"
     assert _write_failure(ray.exceptions.ActorDiedError()) is None
+
+
+def test_a_sharded_write_that_fails_gives_one_line_naming_the_directory(tmp_path) -> None:
+    """DCP gathers each rank's failure into an exception of its own; it reads as the other write failures."""
+    from hybridflow import dcp
+
+    (tmp_path / "ck" / "__0_0.distcp").mkdir(parents=True)  # where the rank's file must go
+    with pytest.raises(CheckpointWriteError) as info:
+        dcp.save({"w": torch.zeros(8)}, tmp_path / "ck")
+    assert str(info.value) == f"cannot write checkpoint files in {tmp_path / 'ck'}: Is a directory"

@@ -11,6 +11,7 @@ Ray's machinery, not a file we read.)
 from __future__ import annotations
 
 import ast
+import json
 import random
 from pathlib import Path
 
@@ -158,7 +159,9 @@ def test_the_controller_checkpoint_loads_with_weights_only(tmp_path: Path) -> No
 
 
 def test_a_worker_checkpoint_loads_with_weights_only(example_doc, tmp_path: Path) -> None:
-    """Model, optimizer (after a step, so it has moments), shuffle generator and RNG states of a worker."""
+    """The rank file (weights, version, shuffle generator, RNG) loads with weights_only; the training state
+    (fp32 weights, Adam's moments after a step) is DCP with a JSON index."""
+    from hybridflow import dcp
     from hybridflow.workers.host import WorkerHost
 
     doc = example_doc("tiny-ppo.yaml")
@@ -175,9 +178,42 @@ def test_a_worker_checkpoint_loads_with_weights_only(example_doc, tmp_path: Path
 
     loaded = torch.load(path, weights_only=True)
     actor = loaded["roles"]["actor_rollout"]
-    assert actor["optimizer"]["state"], "the optimizer's moments are part of the checkpoint"
-    assert isinstance(actor["shuffle"], torch.Tensor)
+    assert actor["model"] and isinstance(actor["shuffle"], torch.Tensor)
+    training = checkpoint.training_dir(tmp_path, "actor_rollout_0", "actor_rollout")
+    index = json.loads((training / dcp.INDEX_FILE).read_text())
+    assert index["tensors"], "the index is JSON"
+    moments = dcp.read_full(training, "optim.")
+    assert any(k.endswith(".exp_avg_sq") and v.abs().sum() > 0 for k, v in moments.items()), \
+        "the optimizer's moments are part of the checkpoint"
     assert host.load(str(tmp_path), "actor_rollout_0")
+
+
+def test_a_planted_pickle_index_is_refused_without_running(tmp_path: Path) -> None:
+    """DCP's own index is a pickle; ours is JSON, so a pickled index planted in a checkpoint is an error."""
+    import pickle
+
+    from hybridflow import dcp
+
+    class Payload:
+        def __reduce__(self) -> tuple:
+            return (Path.touch, (tmp_path / "ran",))
+
+    dcp.save({"w": torch.arange(4.0)}, tmp_path / "ck")
+    (tmp_path / "ck" / dcp.INDEX_FILE).write_bytes(pickle.dumps(Payload()))
+    state = {"w": torch.zeros(4)}
+    with pytest.raises(dcp.CheckpointFormatError, match="not a JSON checkpoint index"):
+        dcp.load(state, tmp_path / "ck")
+    assert not (tmp_path / "ran").exists()
+
+
+def test_only_tensors_go_into_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """Non-tensor values would be stored (and read back) by DCP as pickles."""
+    from hybridflow import dcp
+
+    with pytest.raises(TypeError, match="only tensors go into a sharded checkpoint; not step"):
+        dcp.save({"w": torch.ones(2), "step": 3}, tmp_path / "ck")  # type: ignore[dict-item]
+    dcp.save({"w": torch.ones(2)}, tmp_path / "ck")
+    assert torch.equal(dcp.read_full(tmp_path / "ck")["w"], torch.ones(2))
 
 
 def test_a_planted_pickle_is_refused(tmp_path: Path) -> None:

@@ -107,7 +107,9 @@ def used_bytes(path: Path) -> int:
 
 
 def digests(directory: Path) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(directory.iterdir()) if f.is_file()}
+    """Every file under `directory` (the sharded training state sits in subdirectories)."""
+    return {str(f.relative_to(directory)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(directory.rglob("*")) if f.is_file()}
 
 
 def run_cli(job_file: Path, metrics: Path) -> subprocess.CompletedProcess[str]:
@@ -134,7 +136,7 @@ def write_failure_case(work: Path, name: str = "chaos-ckpt-full") -> WriteFailur
             run_training(parse_job(job_doc(name, root, EVERY)), str(metrics))
             first = step_dir(root, EVERY)
             before = digests(first)
-            out.checkpoint_bytes = sum(f.stat().st_size for f in first.iterdir())
+            out.checkpoint_bytes = sum(f.stat().st_size for f in first.rglob("*") if f.is_file())
             out.tight_size = used_bytes(mount) + out.checkpoint_bytes // 2
             resize(mount, out.tight_size)
 

@@ -227,12 +227,20 @@ def fault_run(plan: FaultPlan, work: Path, name: str) -> RunOutcome:
 
 
 def load_all(root: Path) -> tuple[int, list[str]]:
-    """Every file of every complete checkpoint directory, read as a resume reads it: (files read, failures)."""
+    """Every file of every complete checkpoint directory, read as a resume reads it: (files read, failures).
+    A sharded training state (hybridflow.dcp) counts as one file: its index and every rank's shards."""
+    from hybridflow import dcp
     from hybridflow.checkpoint import complete_steps, load_state, step_dir
 
     read, failed = 0, []
     for step in complete_steps(root):
         d = step_dir(root, step)
+        for index in sorted(d.rglob(dcp.INDEX_FILE)):
+            try:
+                dcp.read_full(index.parent)
+                read += 1
+            except Exception as e:
+                failed.append(f"{d.name}/{index.parent.relative_to(d)}: {type(e).__name__}: {e}")
         for f in sorted(d.iterdir()):
             try:
                 if f.suffix == ".pt":

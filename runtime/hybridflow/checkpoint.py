@@ -6,7 +6,8 @@ GCS; the resubmitted job's controller claims the directory and the orphan stops 
 
 Checkpoint files hold tensors, numbers, strings, lists, tuples and dicts only, and are read back with
 `torch.load(..., weights_only=True)` (`load_state`): a checkpoint directory may be on shared storage that
-others can write, and a full unpickle of a planted file would run its code.
+others can write, and a full unpickle of a planted file would run its code. The trained roles' sharded
+state (fp32 weights and optimizer moments) goes through hybridflow.dcp, whose index is JSON.
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ def load_state(path: str | Path) -> Any:
     import torch
 
     return torch.load(path, weights_only=True)
+
+
+def training_dir(directory: str | Path, rank_name: str, role: str) -> Path:
+    """Where the ranks of `rank_name`'s group (`critic_3` -> `critic`) write `role`'s training state together
+    (hybridflow.dcp): one directory per group and role, whatever the number of ranks."""
+    return Path(directory) / "training" / rank_name.rsplit("_", 1)[0] / role
 
 
 def claim(root: str | Path) -> str:

@@ -450,8 +450,9 @@ class Trainer:
         """Load the newest checkpoint into every host.
 
         A group's parallelism may differ from the checkpoint's (changed from outside or by backpressure
-        after it was written): data-parallel ranks hold the same state, so a rank the checkpoint lacks
-        loads rank 0's file, and saved ranks beyond those running are not needed.
+        after it was written): the training state is read resharded to the ranks running now
+        (hybridflow.dcp), a rank the checkpoint lacks takes rank 0's file of versions and RNG, and saved
+        ranks beyond those running are not needed.
         """
         found = checkpoint.latest(self.spec.trainer.checkpoint.path)
         if found is None:

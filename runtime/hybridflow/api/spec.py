@@ -394,6 +394,19 @@ class Export(ApiModel):
     transformers model); `separate` writes the adapters alone, as a peft adapter folder over the base."""
 
 
+class Training(ApiModel):
+    """How the actor and critic train: the layout of their weights over the ranks, and the memory savers."""
+
+    micro_batch_size: int | None = Field(None, ge=1, le=1_000_000)
+    """Sequences per forward/backward pass; a minibatch accumulates the gradients of its micro-batches
+    before one optimiser step (same update, less activation memory). null: the whole minibatch at once."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of keeping them."""
+    shard: bool = True
+    """Shard parameters, gradients and optimizer state over a role's data-parallel ranks (FSDP); false keeps
+    a full replica per rank and all-reduces the gradients."""
+
+
 class Trainer(ApiModel):
     total_steps: int = Field(20, ge=1, le=10_000_000)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
@@ -413,6 +426,8 @@ class Trainer(ApiModel):
     """Sampling of the evaluation (greedy by default)."""
     export: Export = Field(default_factory=Export)
     """Write the final policy as a Hugging Face folder at the end of the run."""
+    training: Training = Field(default_factory=Training)
+    """Sharding, micro-batches and gradient checkpointing of the actor and critic."""
 
 
 class GraphNode(ApiModel):

@@ -22,6 +22,7 @@ from hybridflow.workers.modeling import (
 )
 from hybridflow.workers.optim import train_epochs
 from hybridflow.workers.rollout import Sampling, make_rollout
+from hybridflow.workers.training import RoleTraining
 
 
 def optimizer_steps(spec: RLTrainingJobSpec) -> int:
@@ -43,8 +44,8 @@ class ActorRolloutWorker:
         self.path = check_model_dir(spec.model.policy.path, "spec.model.policy.path")
         self.tokenizer = load_tokenizer(self.path)
         self.model = load_policy(spec.model.policy, device)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
-                                           lr=spec.trainer.actor_lr, weight_decay=0.0)
+        self.training = RoleTraining(self.model, lr=spec.trainer.actor_lr, options=spec.trainer.training,
+                                     device=device)
         self.rollout = make_rollout(
             spec.rollout.engine, self.model, self.path, self.tokenizer, spec.rollout,
             spec.data.max_prompt_length, spec.data.max_response_length, device, spec.model.policy.dtype, seed,
@@ -84,7 +85,7 @@ class ActorRolloutWorker:
         algo = self.spec.algorithm
 
         def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
-            logp, ent = response_log_probs(self.model, mb, self.device, with_entropy=True)
+            logp, ent = response_log_probs(self.training.module, mb, self.device, with_entropy=True)
             assert ent is not None
             m = mb.response_mask.float().to(self.device)
             old, adv = mb.tensors["old_log_probs"].to(self.device), mb.tensors["advantages"].to(self.device)
@@ -108,27 +109,37 @@ class ActorRolloutWorker:
             metrics.update(actor_loss=loss.item(), entropy=entropy.item())
             return total, metrics
 
-        out = train_epochs(self.model, self.optimizer, batch, loss_fn, epochs=algo.ppo_epochs,
+        out = train_epochs(self.training, batch, loss_fn, epochs=algo.ppo_epochs,
                            steps_per_epoch=optimizer_steps(self.spec), shuffle=self.shuffle,
-                           max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device)
+                           max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device,
+                           micro_batch_size=self.spec.trainer.training.micro_batch_size, agg=algo.loss_agg)
         self.version += 1
+        self.training.sync()
         self.rollout.sync_weights(self.model, self.version)
         out["actor_grad_norm"] = out.pop("grad_norm")
-        return out | training_footprint(self.model, self.optimizer).record("actor")
+        return out | training_footprint(self.model, self.training.layout.optimizer).record("actor")
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's trained weights: its adapters under LoRA, else every weight."""
         return policy_weights(self.model)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.weights(), "optimizer": self.optimizer.state_dict(),
-                "version": self.version, "shuffle": self.shuffle.get_state()}
+    def state_dict(self, with_model: bool = True) -> dict[str, Any]:
+        """Version, sampling order and (`with_model`) the weights; the optimizer's state is `training`'s."""
+        return ({"model": self.weights()} if with_model else {}) | {"version": self.version,
+                                                                   "shuffle": self.shuffle.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_policy_weights(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Weights given here restart the optimizer from them (see RoleTraining.invalidate)."""
+        if "model" in state:
+            load_policy_weights(self.model, state["model"])
+            self.training.invalidate()
         self.version = int(state["version"])
         self.shuffle.set_state(state["shuffle"])
+        self.rollout.sync_weights(self.model, self.version)
+
+    def load_training(self, directory: str) -> None:
+        """The exact training state of a checkpoint (fp32 weights, Adam's moments), resharded to these ranks."""
+        self.training.load(directory)
         self.rollout.sync_weights(self.model, self.version)
 
 

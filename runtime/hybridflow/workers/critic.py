@@ -13,6 +13,7 @@ from hybridflow.workers.actor import optimizer_steps
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.modeling import DTYPES, check_model_dir, position_ids
 from hybridflow.workers.optim import train_epochs
+from hybridflow.workers.training import RoleTraining
 
 
 class ValueModel(torch.nn.Module):
@@ -34,19 +35,21 @@ class ValueModel(torch.nn.Module):
 
 
 class CriticWorker:
-    """One data-parallel rank; gradients are averaged over the process group before each step."""
+    """One data-parallel rank; its weights and optimizer are laid out over the ranks by RoleTraining."""
 
     def __init__(self, spec: RLTrainingJobSpec, device: torch.device, seed: int = 0) -> None:
         self.spec, self.device = spec, device
         path = spec.model.critic.path or spec.model.policy.path
         field = "spec.model.critic.path" if spec.model.critic.path else "spec.model.policy.path"
         self.model = ValueModel(check_model_dir(path, field), spec.model.critic.dtype).to(device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.trainer.critic_lr, weight_decay=0.0)
+        self.training = RoleTraining(self.model, lr=spec.trainer.critic_lr, options=spec.trainer.training,
+                                     device=device)
         self.shuffle = torch.Generator().manual_seed(seed + 7919)
 
-    def _values(self, batch: RolloutBatch) -> torch.Tensor:
+    def _values(self, batch: RolloutBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Values of the states that precede each response token: positions P-1 .. P+R-2."""
-        v = self.model(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
+        module = self.model if model is None else model
+        v = module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
         return v[:, batch.prompt_length - 1:-1]
 
     @torch.no_grad()
@@ -63,23 +66,32 @@ class CriticWorker:
 
         def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
             loss, metrics = algos.value_loss(
-                self._values(mb), mb.tensors["returns"].to(self.device), mb.tensors["values"].to(self.device),
+                self._values(mb, self.training.module), mb.tensors["returns"].to(self.device),
+                mb.tensors["values"].to(self.device),
                 mb.response_mask.float().to(self.device), clip=algo.value_clip, agg=algo.loss_agg,
             )
             metrics["critic_loss"] = loss.item()
             return loss, metrics
 
-        out = train_epochs(self.model, self.optimizer, batch, loss_fn, epochs=algo.ppo_epochs,
+        out = train_epochs(self.training, batch, loss_fn, epochs=algo.ppo_epochs,
                            steps_per_epoch=optimizer_steps(self.spec), shuffle=self.shuffle,
-                           max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device)
+                           max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device,
+                           micro_batch_size=self.spec.trainer.training.micro_batch_size, agg=algo.loss_agg)
+        self.training.sync()
         out["critic_grad_norm"] = out.pop("grad_norm")
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "shuffle": self.shuffle.get_state()}
+    def state_dict(self, with_model: bool = True) -> dict[str, Any]:
+        """Sampling order and (`with_model`) the weights; the optimizer's state is `training`'s."""
+        return ({"model": self.model.state_dict()} if with_model else {}) | {"shuffle": self.shuffle.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Weights given here restart the optimizer from them (see RoleTraining.invalidate)."""
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
+            self.training.invalidate()
         self.shuffle.set_state(state["shuffle"])
+
+    def load_training(self, directory: str) -> None:
+        """The exact training state of a checkpoint (fp32 weights, Adam's moments), resharded to these ranks."""
+        self.training.load(directory)

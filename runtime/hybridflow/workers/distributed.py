@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterable
 from datetime import timedelta
 
 import torch
@@ -45,12 +46,16 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def average_gradients(module: torch.nn.Module) -> None:
-    """g <- (1/W) * sum_r g_r, one all-reduce over the flattened gradients."""
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def average_gradients(params: Iterable[torch.Tensor]) -> None:
+    """g <- (1/W) * sum_r g_r, one all-reduce over the flattened gradients of `params`."""
     n = world_size()
     if n == 1:
         return
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hybridflow.workers.training import local
+
 
 @dataclass(frozen=True)
 class TrainingFootprint:
@@ -25,9 +27,10 @@ class TrainingFootprint:
 
 
 def training_footprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainingFootprint:
-    """Counts parameters that require grad, all parameters, and the bytes of every tensor in the optimizer's state."""
+    """Counts parameters that require grad, all parameters, and the bytes of every tensor in the optimizer's state
+    that this rank holds (its shard of a sharded tensor)."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+    state = sum(local(v).numel() * local(v).element_size() for s in optimizer.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor))
     return TrainingFootprint(trainable, total, state)

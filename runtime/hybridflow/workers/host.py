@@ -85,7 +85,11 @@ class WorkerHost:
 
     def setup_distributed(self, master_addr: str, master_port: int, rank: int, world_size: int,
                           backend: str = "auto") -> str:
-        return distributed.setup(master_addr, master_port, rank, world_size, backend)
+        """Join the (new) ranks; the trained roles lay their weights out anew at their next update."""
+        chosen = distributed.setup(master_addr, master_port, rank, world_size, backend)
+        for worker in self._trainable().values():
+            worker.training.invalidate()
+        return chosen
 
     # -- dataflow ---------------------------------------------------------------------------------
 
@@ -143,10 +147,11 @@ class WorkerHost:
     def _trainable(self) -> dict[str, Any]:
         return {r: w for r, w in self.workers.items() if hasattr(w, "state_dict")}
 
-    def export_state(self) -> dict[str, Any]:
-        """Trainable state and RNG of this instance: what a checkpoint file or a new rank receives."""
+    def export_state(self, with_model: bool = True) -> dict[str, Any]:
+        """Weights, versions and RNG of this instance: what a new rank receives, and (without the weights but on
+        the first rank) a checkpoint's rank file. The optimizer's state travels only in checkpoints (`save`)."""
         return {
-            "roles": {r: w.state_dict() for r, w in self._trainable().items()},
+            "roles": {r: w.state_dict(with_model) for r, w in self._trainable().items()},
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         }
@@ -161,20 +166,30 @@ class WorkerHost:
         return True
 
     def save(self, directory: str, name: str) -> str:
-        """Write this instance's state into directory/name.pt (nothing for stateless roles)."""
-        if not self._trainable():
+        """Write this instance's part of a checkpoint (nothing for stateless roles): directory/name.pt (versions,
+        RNG, and on the first rank the full weights, which `hybridflow export` reads) and each trained role's
+        training state, written together by the group's ranks (checkpoint.training_dir)."""
+        trainable = self._trainable()
+        if not trainable:
             return ""
+        for role, worker in trainable.items():  # first: a failure there is every rank's (DCP gathers them)
+            worker.training.save(checkpoint.training_dir(directory, name, role))
         path = Path(directory) / f"{name}.pt"
-        checkpoint.save_state(self.export_state(), path)
+        checkpoint.save_state(self.export_state(with_model=distributed.rank() == 0), path)
         return str(path)
 
     def load(self, directory: str, name: str) -> bool:
-        if not self._trainable():
+        """Read `name`'s rank file, then each role's training state, resharded to the ranks running now."""
+        trainable = self._trainable()
+        if not trainable:
             return True
         path = Path(directory) / f"{name}.pt"
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {directory} has no state for {name} (was the parallelism changed?)")
-        return self.import_state(checkpoint.load_state(path))
+        self.import_state(checkpoint.load_state(path))
+        for role, worker in trainable.items():
+            worker.load_training(str(checkpoint.training_dir(directory, name, role)))
+        return True
 
     def reset(self) -> bool:
         """Back to the initial weights (recovery before the first checkpoint)."""

@@ -5,40 +5,72 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from hybridflow.workers import distributed
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.modeling import minibatch_chunks
+from hybridflow.workers.training import RoleTraining
 
 MinibatchLoss = Callable[[RolloutBatch], tuple[torch.Tensor, dict[str, float]]]
 """A minibatch -> (loss to minimise, scalar metrics of it)."""
 
 
-def train_epochs(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch,
-                 loss_fn: MinibatchLoss, *, epochs: int, steps_per_epoch: int, shuffle: torch.Generator,
-                 max_grad_norm: float, device: torch.device) -> dict[str, float]:
+def micro_weight(mask: torch.Tensor, whole: torch.Tensor, agg: str) -> float:
+    """A micro-batch's share of its minibatch's loss, so that sum_k w_k * loss_k is the minibatch's loss:
+    token-mean weighs by valid tokens, the seq-mean modes by sequences with a valid token (algos.agg_loss)."""
+    if agg == "token-mean":
+        num, den = float(mask.sum()), float(whole.sum())
+    else:
+        num, den = float((mask.sum(-1) > 0).sum()), float((whole.sum(-1) > 0).sum())
+    return num / den if den > 0 else 0.0
+
+
+def micro_batches(n: int, size: int | None, device: torch.device, everywhere: bool) -> int:
+    """How many forward/backward passes a minibatch of `n` sequences takes: ceil(n / size) (1 without a size).
+
+    `everywhere` (sharded ranks, whose passes are collectives): the most any rank needs, and at least one, so
+    every rank runs the same passes (a rank short of data runs a pass that counts for nothing)."""
+    count = (-(-n // size) if size else 1) if n else 0
+    if not everywhere or distributed.world_size() == 1:
+        return count
+    t = torch.tensor([max(count, 1)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def train_epochs(training: RoleTraining, batch: RolloutBatch, loss_fn: MinibatchLoss, *, epochs: int,
+                 steps_per_epoch: int, shuffle: torch.Generator, max_grad_norm: float, device: torch.device,
+                 micro_batch_size: int | None = None, agg: str = "token-mean") -> dict[str, float]:
     """`epochs` passes of `steps_per_epoch` optimiser steps over shuffled minibatches of this rank's shard.
 
-    Every rank takes the same number of steps (an empty minibatch still joins the gradient all-reduce),
-    so collectives always match. Returns each metric's mean over the non-empty minibatches plus
+    A minibatch runs in micro-batches of `micro_batch_size` sequences whose gradients add up, each loss
+    weighted by its share (`micro_weight`), to the minibatch's gradient. Every rank takes the same number
+    of steps, so collectives always match. Returns each metric's mean over the non-empty minibatches plus
     `grad_norm`, the mean pre-clip gradient norm over all steps, averaged over ranks.
     """
-    model.train()
+    training.module.train()
     sums: dict[str, float] = {}
     count = 0
     grad_norm = 0.0
     for _ in range(epochs):
         for idx in minibatch_chunks(len(batch), steps_per_epoch, shuffle):
-            optimizer.zero_grad(set_to_none=False)
-            if len(idx) > 0:
-                loss, metrics = loss_fn(batch.slice_index(idx))
-                loss.backward()
+            training.zero_grad()
+            whole = batch.slice_index(idx).response_mask if len(idx) else None
+            passes = micro_batches(len(idx), micro_batch_size, device, training.sharded)
+            for part in idx.tensor_split(passes) if passes else []:
+                if len(part) == 0 or whole is None:  # a pass for the collectives alone
+                    loss, _ = loss_fn(batch.slice_index(torch.arange(1)))
+                    (loss * 0.0).backward()
+                    continue
+                mb = batch.slice_index(part)
+                w = micro_weight(mb.response_mask, whole, agg)
+                loss, metrics = loss_fn(mb)
+                (loss * w).backward()
                 for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
-            distributed.average_gradients(model)
-            grad_norm += float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
-            optimizer.step()
+                    sums[k] = sums.get(k, 0.0) + w * v
+            count += int(len(idx) > 0)
+            grad_norm += training.step(max_grad_norm)
     out = {k: v / max(count, 1) for k, v in sums.items()}
     out["grad_norm"] = grad_norm / max(1, epochs * steps_per_epoch)
     return distributed.average_scalars(out, device)

@@ -1,0 +1,136 @@
+"""Ranks of the sharded-training tests: the tiny model trained by RoleTraining on a fixed token batch.
+
+`spawn_ranks` starts real processes joined by torch.distributed over gloo; `ranks_main` is what each runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridflow import algos
+from hybridflow.api.spec import Training
+from hybridflow.data.tiny import VOCAB, ensure_tiny_model
+from hybridflow.workers import distributed
+from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.modeling import load_causal_lm, quiet_transformers, response_log_probs
+from hybridflow.workers.optim import train_epochs
+from hybridflow.workers.training import RoleTraining, checkpoints_activations, full
+
+CPU = torch.device("cpu")
+PROMPT, RESPONSE = 4, 6
+LR = 1e-4
+PORT_TRIES = 4
+
+
+def make_batch(rows: int, seed: int, ragged: bool = False) -> RolloutBatch:
+    """Random tokens (every token of the vocabulary appears, so every embedding row gets a gradient); `ragged`
+    gives responses of 1..RESPONSE valid tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, len(VOCAB), (rows, PROMPT + RESPONSE), generator=g)
+    flat = ids.view(-1)
+    flat[: len(VOCAB)] = torch.arange(len(VOCAB))
+    mask = torch.ones(rows, RESPONSE, dtype=torch.long)
+    if ragged:
+        lengths = torch.randint(1, RESPONSE + 1, (rows,), generator=g)
+        mask = (torch.arange(RESPONSE) < lengths[:, None]).long()
+    return RolloutBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
+                        prompt_length=PROMPT, policy_version=0, prompts=[""] * rows, responses=[""] * rows,
+                        answers=[""] * rows, group_ids=list(range(rows)))
+
+
+def new_training(dtype: str = "float32", lr: float = LR, **options: Any) -> RoleTraining:
+    quiet_transformers()
+    model = load_causal_lm(str(ensure_tiny_model()), dtype, CPU)
+    return RoleTraining(model, lr=lr, options=Training.model_validate(options), device=CPU)
+
+
+def train(training: RoleTraining, batch: RolloutBatch, steps: int, micro: int | None = None,
+          agg: str = "token-mean") -> dict[str, float]:
+    """`steps` optimiser steps, each on the whole batch (no clipping: max norm 1e9); the inference copy synced."""
+
+    def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        logp, _ = response_log_probs(training.module, mb, CPU)
+        loss = algos.agg_loss(-logp, mb.response_mask.float(), agg)
+        return loss, {"loss": loss.item()}
+
+    out = train_epochs(training, batch, loss_fn, epochs=steps, steps_per_epoch=1,
+                       shuffle=torch.Generator().manual_seed(0), max_grad_norm=1e9, device=CPU,
+                       micro_batch_size=micro, agg=agg)
+    training.sync()
+    return out
+
+
+def weights(training: RoleTraining) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for n, p in training.model.named_parameters()}
+
+
+def ranks_main(rank: int, world: int, port: int, out: str, from_one: str) -> None:
+    """Every scenario of the tests on `world` ranks; rank 0 writes the full weights and byte counts."""
+    torch.set_num_threads(1)
+    distributed.setup("127.0.0.1", port, rank, world, "gloo", timeout_s=300)
+    shard = make_batch(8, seed=1).shard(world)[rank]
+    res: dict[str, Any] = {}
+
+    t = new_training()
+    res["grad_norm"] = train(t, shard, 3)["grad_norm"]
+    res["w3"] = weights(t)
+    res["memory_sharded"] = t.memory_bytes()
+    t.save(Path(out) / "from_two")
+    train(t, shard, 1)
+    res["w4"] = weights(t)
+
+    resumed = new_training()
+    resumed.load(from_one)
+    train(resumed, shard, 1)
+    res["w4_from_one"] = weights(resumed)
+
+    replicated = new_training(shard=False)
+    train(replicated, shard, 3)
+    res["w3_replicated"] = weights(replicated)
+    res["memory_replicated"] = replicated.memory_bytes()
+
+    ragged = make_batch(9, seed=2, ragged=True).shard(world)[rank]  # 5 and 4 rows: 3 and 2 micro-batches of 2
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        whole = new_training()
+        train(whole, ragged, 2, agg=agg)
+        res[f"ragged_{agg}"] = weights(whole)
+        micro = new_training(microBatchSize=2)
+        train(micro, ragged, 2, micro=2, agg=agg)
+        res[f"ragged_micro_{agg}"] = weights(micro)
+
+    checkpointed = new_training(gradientCheckpointing=True)
+    train(checkpointed, shard, 3)
+    res["w3_checkpointed"] = weights(checkpointed)
+    res["checkpointing_on"] = checkpoints_activations(checkpointed.module)
+
+    bf16 = new_training("bfloat16", lr=1e-6)
+    res["bf16_kind"] = bf16.layout.kind
+    before = [full(p.detach()).clone() for p in bf16.layout.params]
+    train(bf16, shard, 10)
+    after = [full(p.detach()) for p in bf16.layout.params]
+    res["bf16_masters_changed"] = sum(int((a != b).sum()) for a, b in zip(after, before, strict=True))
+    res["bf16_total"] = sum(b.numel() for b in before)
+    res["bf16_master_dtype"] = str(after[0].dtype)
+    if rank == 0:
+        torch.save(res, Path(out) / "ranks.pt")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def spawn_ranks(world: int, out: Path, from_one: Path) -> dict[str, Any]:
+    """Run `ranks_main` on `world` processes; a port taken between picking and binding is picked again."""
+    import torch.multiprocessing as mp
+
+    for attempt in range(PORT_TRIES):
+        port = distributed.free_port()
+        try:
+            mp.spawn(ranks_main, args=(world, port, str(out), str(from_one)), nprocs=world, join=True)
+            break
+        except mp.ProcessRaisedException as e:
+            if "address already in use" not in str(e).lower() or attempt == PORT_TRIES - 1:
+                raise
+    result: dict[str, Any] = torch.load(out / "ranks.pt", weights_only=True)
+    return result
