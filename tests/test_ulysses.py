@@ -213,3 +213,68 @@ def test_activation_memory_per_rank_halves(tmp_path: Path) -> None:
             assert out[f"{variant}_values_max_abs_diff"] <= TOL
         assert saved["full_sp"] < 0.6 * saved["full_plain"]
         assert saved["padded_plain"] - saved["padded_sp"] >= saved["full_plain"] - saved["full_sp"]
+
+
+# -- a running job ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_disable_ulysses_on_a_running_job(example_doc: Any, tmp_path: Path) -> None:
+    """The built-in graph with SP=2 gives the critic two ranks that share each shard; disable_ulysses
+    applied at a step boundary turns them into two plain data-parallel ranks, and the job trains on."""
+    import threading
+
+    import ray
+
+    from hybridflow.control import ControlError
+    from hybridflow.driver import init_ray
+    from hybridflow.trainer import Trainer
+
+    doc = ppo_doc(example_doc, 2, critic_node=False)
+    doc["metadata"]["name"] = "sp-off"
+    doc["spec"]["data"]["batchSize"] = 8
+    doc["spec"]["algorithm"]["miniBatchSize"] = 4
+    doc["spec"]["trainer"].update(totalSteps=4, resume="never", checkpoint={"every": 0, "path": str(tmp_path / "c")})
+    init_ray(local=True, num_cpus=4)
+    trainer = Trainer(parse_job(doc).model_dump(by_alias=True, mode="json"), str(tmp_path / "m.jsonl"))
+    try:
+        assert trainer.critic is not None and trainer.sp == 2
+        assert trainer._parallelism_problem("critic", 3) == (
+            "3 ranks of 'critic' do not split into groups of spec.model.critic.sequenceParallel = 2; "
+            "allowed: a multiple of 2")
+        trainer.start()
+        result: dict[str, Any] = {}
+        loop = threading.Thread(target=lambda: result.update(trainer.fit()), daemon=True)
+        loop.start()
+        deadline = 600.0
+        waited = 0.0
+        while trainer.step < 1 and waited < deadline and loop.is_alive():
+            threading.Event().wait(0.5)
+            waited += 0.5
+        assert trainer.step >= 1, "no step within the deadline"
+        out = trainer.control_disable_ulysses("long prompts are gone", wait_s=600.0)
+        assert out == {"node": "critic", "old": 2, "sequence_parallel": 1, "ranks": 2}
+        loop.join(timeout=900)
+        assert not loop.is_alive()
+        records = result["records"]
+        assert [r["step"] for r in records] == [1, 2, 3, 4]
+        assert all(r["critic_loss"] == r["critic_loss"] for r in records)  # no NaN before or after
+        assert ray.get([h.disable_sequence_parallel.remote() for h in trainer.critic.hosts]) == [False, False]
+        last = trainer.scheduler.decision_log[-1]
+        assert last["kind"] == "sequence_parallel" and last["node"] == "critic"
+        assert last["message"] == ("Manual: critic sequence parallelism 2 -> off: 2 data-parallel ranks over "
+                                   "whole sequences (long prompts are gone)")
+        with pytest.raises(ControlError, match="sequence parallelism is not on in this job"):
+            trainer.control_disable_ulysses("again")
+        assert trainer._parallelism_problem("critic", 3) is None
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
+
+
+def test_cli_verb_fails_in_one_line_without_a_cluster() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-m", "hybridflow", "ctl", "disable-ulysses", "team-a/job",
+                          "--address", f"127.0.0.1:{free_port()}", "--reason", "r"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith("error: cannot reach a Ray cluster at 127.0.0.1:") and out.stderr.count("\n") == 1
