@@ -48,7 +48,10 @@ class HostGroup:
         """
         hosts = self.hosts
         if shard:
-            parts = [p for p in batch.shard(max(1, len(hosts) // replicas)) for _ in range(replicas)]
+            shards: list[Any] = list(batch.shard(max(1, len(hosts) // replicas)))
+            if replicas > 1:  # one copy in the object store per shard, not one per host
+                shards = [ray.put(part) for part in shards]
+            parts = [part for part in shards for _ in range(replicas)]
             return [getattr(h, method).remote(part, *args) for h, part in zip(hosts, parts, strict=False)]
         whole = ray.put(batch)
         return [getattr(h, method).remote(whole, *args) for h in hosts]

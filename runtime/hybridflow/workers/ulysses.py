@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hybridflow.workers.modeling import position_ids
+
 ULYSSES = "hybridflow_ulysses"
 """The key of the attention (and its mask) in transformers' registries."""
 
@@ -242,11 +244,6 @@ def _attention_of(model: torch.nn.Module, implementation: str) -> Iterator[None]
             c._attn_implementation = o
 
 
-def positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding: cumsum(mask) - 1, clamped at 0 (as the plain forward uses)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 SliceForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(input_ids [B, S/P], position_ids [B, S/P]) -> per-token output [B, S/P, ...] of the model."""
 
@@ -263,7 +260,7 @@ def sequence_parallel_forward(model: torch.nn.Module, forward: SliceForward, inp
     seq = input_ids.shape[1]
     mask = pad_sequence(attention_mask, size)
     ids = pad_sequence(input_ids, size)
-    pos = positions(mask)
+    pos = position_ids(mask)  # the plain forward's, so RoPE sees the same offsets
     # Without padding in the rows, plain causal attention is exact (the tail added above comes after every
     # token, so no token sees it) and lets SDPA pick a kernel that keeps no [S, S] scores.
     active = _Active(group, size, None if bool(attention_mask.all()) else key_padding_mask(mask))
@@ -393,7 +390,7 @@ def gpu_check(device: torch.device, seq: int = 2048, batch: int = 2) -> dict[str
                     model, lambda i, p: model(input_ids=i, position_ids=p, use_cache=False).last_hidden_state,
                     ids, mask, dist.group.WORLD)
             else:
-                out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
                             use_cache=False).last_hidden_state
             (out * mask[..., None]).sum().backward()
             if device.type == "cuda":
