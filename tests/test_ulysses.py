@@ -197,6 +197,14 @@ def test_disabled_sp_falls_back_to_whole_sequences(equal_case: list[dict[str, An
         assert out["disabled_param_max_abs_diff"] <= TOL
 
 
+def test_kv_heads_split_or_repeated_over_the_ranks(tmp_path: Path) -> None:
+    """Gradients relative to their largest entry: the loss (a sum of squares of hidden states) makes them
+    large."""
+    for out in run_ranks("gqa", tmp_path):
+        print("grouped-query attention, SP=2 vs plain:", out)
+        assert all(v <= TOL for v in out.values()) and len(out) == 4
+
+
 def test_activation_memory_per_rank_halves(tmp_path: Path) -> None:
     """Per-token activations halve. A padded row adds an [S, S] mask per forward that no rank can split
     (each sees every position of its heads), so there the saving in bytes is what must hold."""

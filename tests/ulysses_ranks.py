@@ -21,6 +21,7 @@ from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.workers import distributed, ulysses
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.critic import CriticWorker
+from hybridflow.workers.modeling import position_ids
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-ppo.yaml"
 SP = 2
@@ -161,11 +162,50 @@ def case_memory(rank: int, seq: int) -> dict[str, Any]:
     return out
 
 
+def case_gqa(rank: int) -> dict[str, Any]:
+    """A Llama with fewer key/value heads than query heads: 2 KV heads split over the ranks, 1 is repeated.
+    Output and gradients of SP=2 against the plain forward, on a left-padded batch of odd length."""
+    from transformers import LlamaConfig, LlamaModel
+
+    out: dict[str, Any] = {}
+    ids = torch.randint(4, 14, (2, 13), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    for kv in (2, 1):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=14, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=kv, max_position_embeddings=64)
+        config._attn_implementation = "sdpa"
+        model = LlamaModel(config)
+        ulysses.check_heads(*ulysses.model_heads(config), SP)
+        ulysses.register()
+        results = []
+        for sp in (True, False):
+            model.zero_grad()
+            if sp:
+                h = ulysses.sequence_parallel_forward(
+                    model, lambda i, p, m=model: m(input_ids=i, position_ids=p, use_cache=False).last_hidden_state,
+                    ids, mask, torch.distributed.group.WORLD)
+            else:
+                h = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask),
+                          use_cache=False).last_hidden_state
+            (h * mask[..., None]).square().sum().backward()
+            if sp:
+                distributed.average_gradients(model)  # each rank's loss counts once in the sum
+            results.append(((h * mask[..., None]).detach(), flat_grads(model)))
+        out[f"kv{kv}_output_max_abs_diff"] = max_diff(results[0][0], results[1][0])
+        out[f"kv{kv}_grad_max_rel_diff"] = max_diff(results[0][1], results[1][1]) / float(results[1][1].abs().max())
+    return out
+
+
+CASES = {"equal": case_equal, "gqa": case_gqa}
+
+
 def main() -> None:
     case, rank, world, port, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     torch.set_num_threads(1)
     distributed.setup("127.0.0.1", port, rank, world, "gloo", timeout_s=600.0, rendezvous_s=120.0)
-    result = case_equal(rank) if case == "equal" else case_memory(rank, int(case.split(":")[1]))
+    result = CASES[case](rank) if case in CASES else case_memory(rank, int(case.split(":")[1]))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
 
