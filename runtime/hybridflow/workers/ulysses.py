@@ -23,12 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hybridflow.plan import SP_FIELD
 from hybridflow.workers.modeling import position_ids
 
 ULYSSES = "hybridflow_ulysses"
 """The key of the attention (and its mask) in transformers' registries."""
-
-SP_FIELD = "spec.model.critic.sequenceParallel"
 
 
 class SequenceParallelError(ValueError):
