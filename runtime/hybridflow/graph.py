@@ -320,6 +320,7 @@ def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = 
     algorithms that train one (ppo), has its own pool. grpo, rloo and reinforce_plus_plus(_baseline) share
     the critic-free graph.
 
+    The critic's parallelism defaults to the actor's, rounded up to a multiple of its sequence-parallel size.
     On GPUs each actor bundle is one GPU split 0.5/0.25/0.25 between actor, reference and reward; a
     reference that shares the LoRA policy's module (reference_in_policy) holds no model and asks for none.
     A vLLM engine of tensorParallelSize N > 1 makes the bundle N whole GPUs, all the actor's: the engine's
@@ -341,7 +342,8 @@ def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = 
         consumers.append(g.node(Node("reference", "reference", ref_res, parallelism, "actor")))
     trainer = actor
     if spec.algorithm.trains_critic:
-        cpar = critic_parallelism or parallelism
+        sp = spec.model.critic.sequence_parallel  # ranks come in sequence-parallel groups of sp
+        cpar = critic_parallelism or -(-parallelism // sp) * sp
         critic = g.node(Node("critic", "critic", {"GPU": 1} if gpu else {"CPU": 1}, cpar, "critic" if gpu else "actor"))
         consumers.append(critic)
         trainer = critic

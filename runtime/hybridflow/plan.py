@@ -110,6 +110,7 @@ def training_problems(graph: DataflowGraph, spec: RLTrainingJobSpec) -> list[str
         problems += _feed_problems(graph, spec, actors[0], at)
         problems += _engine_problems(graph, spec, actors[0], at)
     problems += _rank_problems(graph, spec, at)
+    problems += _sequence_parallel_problems(graph, spec, at)
     return problems
 
 
@@ -158,6 +159,34 @@ def _rank_problems(graph: DataflowGraph, spec: RLTrainingJobSpec, at: _Locator) 
                 f"each, but a step has {have} (spec.data.batchSize * spec.rollout.samplesPerPrompt)"
             )
     return problems
+
+
+SP_FIELD = "spec.model.critic.sequenceParallel"
+
+
+def _sequence_parallel_problems(graph: DataflowGraph, spec: RLTrainingJobSpec, at: _Locator) -> list[str]:
+    """Sequence parallelism splits the critic's ranks into groups of P that share a shard: the critic needs
+    hosts of its own (values computed in the actor's process follow its rows) and a multiple of P ranks."""
+    size = spec.model.critic.sequence_parallel
+    critics = graph.by_role("critic")
+    if size == 1 or not spec.algorithm.trains_critic or len(critics) != 1:
+        return []
+    critic = critics[0]
+    actors = graph.by_role("actor_rollout")
+    if actors and critic.name in _group_of(graph, actors[0].name):
+        return [f"{SP_FIELD}: {size} needs a critic on hosts of its own, but {at.node(critic)} shares the "
+                "actor's hosts; allowed there: 1"]
+    problem = sequence_parallel_problem(critic.name, critic.parallelism, size, f"{at.node(critic)}.parallelism")
+    return [problem] if problem else []
+
+
+def sequence_parallel_problem(node: str, parallelism: int, size: int, where: str = "") -> str | None:
+    """Why `parallelism` ranks of `node` cannot form groups of `size` sequence-parallel ranks, or None."""
+    if size > 1 and parallelism % size:
+        at = f"{where}: " if where else ""
+        return (f"{at}{parallelism} ranks of {node!r} do not split into groups of {SP_FIELD} = {size}; "
+                f"allowed: a multiple of {size}")
+    return None
 
 
 class _Locator:

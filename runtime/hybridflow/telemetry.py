@@ -53,7 +53,8 @@ PHASES: dict[str, str] = {
 """Phase label -> the step record's key holding its seconds; "orchestration" is derived (see phase_seconds)."""
 
 DecisionKind = Literal["placement", "colocation", "stage", "distributed", "backpressure_up", "backpressure_down",
-                       "backpressure_refused", "manual_up", "manual_down", "manual_refused"]
+                       "backpressure_refused", "manual_up", "manual_down", "manual_refused",
+                       "sequence_parallel"]
 
 STEP_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
 LATENCY_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]

@@ -23,6 +23,7 @@ from hybridflow import algos, checkpoint
 from hybridflow.api.spec import RLTrainingJob
 from hybridflow.checkpoint import CONTROLLER_FILE, JOB_FILE
 from hybridflow.control import store
+from hybridflow.control.errors import ControlError
 from hybridflow.control.names import job_ref
 from hybridflow.control.steering import Steering
 from hybridflow.dashboard import report_path, write_report
@@ -30,7 +31,7 @@ from hybridflow.data.prompts import PromptSampler, load_prompts, repeat_samples
 from hybridflow.evaluation import eval_due, eval_seed, last_val_reward, val_metrics
 from hybridflow.export import SPEC, export_policy
 from hybridflow.metrics import MetricsLog, plot_metrics
-from hybridflow.plan import sequences_per_step, step_plan, trainable_graph
+from hybridflow.plan import sequence_parallel_problem, sequences_per_step, step_plan, trainable_graph
 from hybridflow.reporting import ProgressReporter
 from hybridflow.scheduler import HybridScheduler
 from hybridflow.scheduler.group import HostGroup
@@ -88,6 +89,8 @@ class Trainer:
         self.actor = self.groups[self.plan.actor.name]
         self.critic = self.groups[self.plan.critic.name] if self.plan.critic is not None else None
         self.trained = [self.groups[n.name] for n in self.plan.trained]
+        self.sp = self.spec.model.critic.sequence_parallel if self.critic is not None else 1
+        """The critic's sequence-parallel size in force: its ranks take shards in groups of this many."""
         self.sampler = PromptSampler(load_prompts(self.spec, "train"), self.spec.data.batch_size, t.seed,
                                      self.spec.data.shuffle)
         self.val_rows = load_prompts(self.spec, "val")
@@ -170,6 +173,23 @@ class Trainer:
     def control_scale(self, node: str, parallelism: int, reason: str, wait_s: float = 600.0) -> dict[str, Any]:
         """For `adjust_parallelism` from outside: applied at the next step boundary (see Steering)."""
         return self.steering.request(node, parallelism, reason, wait_s)
+
+    def control_disable_ulysses(self, reason: str, wait_s: float = 600.0) -> dict[str, Any]:
+        """For `disable_ulysses` from outside: at the next step boundary the critic's ranks go back to
+        plain data parallelism over whole sequences (see Steering.at_boundary)."""
+        return self.steering.at_boundary(lambda: self._disable_ulysses(reason or "no reason given"), wait_s)
+
+    def _disable_ulysses(self, reason: str) -> dict[str, Any]:
+        if self.critic is None or self.sp == 1:
+            raise ControlError("sequence parallelism is not on in this job (spec.model.critic.sequenceParallel "
+                               "is 1, or it was turned off already)")
+        old, self.sp = self.sp, 1
+        self.critic.call("disable_sequence_parallel")
+        ranks = len(self.critic)
+        self.scheduler.decide(f"Manual: {self.critic.node} sequence parallelism {old} -> off: {ranks} "
+                              f"data-parallel ranks over whole sequences ({reason})", "sequence_parallel",
+                              self.critic.node, reason)
+        return {"node": self.critic.node, "old": old, "sequence_parallel": 1, "ranks": ranks}
 
     def fit(self) -> dict[str, Any]:
         """Train to totalSteps; requests from outside are applied between steps."""
@@ -349,13 +369,16 @@ class Trainer:
     def values_phase(self, batch: RolloutBatch) -> float:
         """Critic values, data-parallel over the critic's ranks; returns the slowest rank's compute."""
         assert self.critic is not None
-        results: list[PhaseResult] = self.critic.map("run", batch, "values")
-        batch.tensors["values"] = torch.cat([r.tensors["values"] for r in results])
+        if self.sp < self.spec.model.critic.sequence_parallel:  # turned off: hosts restarted since start it again
+            self.critic.call("disable_sequence_parallel")
+        results: list[PhaseResult] = self.critic.map("run", batch, "values", replicas=self.sp)
+        batch.tensors["values"] = torch.cat([r.tensors["values"] for r in results[::self.sp]])
         return max(r.seconds for r in results)
 
     def update_phase(self, batch: RolloutBatch, kl_coef: float) -> UpdateResult:
         """Every trained group updates at once on its own shards (a critic on the actor's hosts in the same call)."""
-        refs = [ref for g in self.trained for ref in g.submit("update", batch, kl_coef)]
+        refs = [ref for g in self.trained
+                for ref in g.submit("update", batch, kl_coef, replicas=self.sp if g is self.critic else 1)]
         return UpdateResult.slowest(ray.get(refs))
 
     def _observe(self) -> None:
@@ -389,6 +412,10 @@ class Trainer:
         if self.plan.fused and self.plan.actor.name in group and parallelism != 1:
             return (f"{node} cannot change parallelism: this plan runs each step in one call on the actor's "
                     "single host")
+        if self.critic is not None and self.critic.node in group:
+            split = sequence_parallel_problem(node, parallelism, self.sp)
+            if split:
+                return split
         have = sequences_per_step(self.spec)
         if parallelism > have and any(n.name in group for n in self.plan.trained):
             return (f"{parallelism} ranks of {node} need at least one sequence each, but a step has {have} "

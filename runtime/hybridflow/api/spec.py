@@ -206,6 +206,10 @@ class CriticModel(ApiModel):
     path: ModelPath | None = None
     """Backbone of the critic (a directory or a Hub name, as policy.path); defaults to the policy path."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    sequence_parallel: int = Field(1, ge=1, le=64)
+    """Ulysses sequence parallelism: groups of this many critic ranks share each sequence, each rank holding
+    1/P of its tokens and, inside attention, H/P of its heads; 1 is off. P must divide the critic's
+    parallelism and the model's attention heads, and the critic must have hosts of its own."""
 
 
 class ReferenceModel(ApiModel):

@@ -1,4 +1,4 @@
-"""`hybridflow ctl status|scale`: the live API of a running job, from a shell."""
+"""`hybridflow ctl status|scale|disable-ulysses`: the live API of a running job, from a shell."""
 
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ def add_parser(sub: Any) -> None:
     scale.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                        help="seconds to wait for a step boundary (default: %(default)g)")
     scale.set_defaults(fn=cmd_scale)
+    ulysses = verbs.add_parser("disable-ulysses", help="turn the critic's sequence parallelism off at the next "
+                               "step boundary (its ranks go on over whole sequences)")
+    _common(ulysses)
+    ulysses.add_argument("--reason", default="", help="logged with the decision")
+    ulysses.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                         help="seconds to wait for a step boundary (default: %(default)g)")
+    ulysses.set_defaults(fn=cmd_disable_ulysses)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -59,6 +66,17 @@ def cmd_scale(args: argparse.Namespace) -> int:
         return _fail(str(e))
     also = f" (with co-located {', '.join(out['colocated'])})" if out["colocated"] else ""
     print(f"{handle.ref}: {out['node']} parallelism {out['old']} -> {out['parallelism']}{also}")
+    return 0
+
+
+def cmd_disable_ulysses(args: argparse.Namespace) -> int:
+    try:
+        handle: JobHandle = connect(args.job, args.address, args.namespace, timeout_s=args.timeout)
+        out = handle.disable_ulysses(args.reason)
+    except ControlError as e:
+        return _fail(str(e))
+    print(f"{handle.ref}: {out['node']} sequence parallelism {out['old']} -> off "
+          f"({out['ranks']} data-parallel ranks over whole sequences)")
     return 0
 
 

@@ -39,6 +39,12 @@ class SchedulerHandle:
         """
         return int(self._job.scale(node, n, reason)["parallelism"])
 
+    def disable_ulysses(self, reason: str = "") -> dict[str, Any]:
+        """Turn the critic's sequence parallelism off at the next step boundary, without a restart: its
+        ranks go on as plain data parallelism over whole sequences. Returns {node, old, sequence_parallel,
+        ranks}; raises ControlError when it is not on."""
+        return self._job.disable_ulysses(reason)
+
 
 class JobHandle:
     """A running job's controller actor; `scheduler` is what the design's live API names."""
@@ -56,6 +62,10 @@ class JobHandle:
     def scale(self, node: str, n: int, reason: str = "") -> dict[str, Any]:
         """`scheduler.adjust_parallelism` with the whole outcome: {node, old, parallelism, colocated}."""
         return dict(self.call("control_scale", node, int(n), reason, self.timeout_s, timeout_s=self.timeout_s + 60.0))
+
+    def disable_ulysses(self, reason: str = "") -> dict[str, Any]:
+        """`scheduler.disable_ulysses`."""
+        return dict(self.call("control_disable_ulysses", reason, self.timeout_s, timeout_s=self.timeout_s + 60.0))
 
     def call(self, method: str, *args: Any, timeout_s: float) -> Any:
         """One remote call; Ray's errors become a ControlError naming the job."""

@@ -33,6 +33,8 @@ class _Request:
     node: str
     parallelism: int
     reason: str
+    action: Callable[[], dict[str, Any]] | None = None
+    """Another change than parallelism, run as it is at the safe point."""
     done: threading.Event = field(default_factory=threading.Event)
     result: dict[str, Any] | None = None
     error: BaseException | None = None
@@ -61,10 +63,17 @@ class Steering:
         """Set `node`'s parallelism; returns {node, old, parallelism, colocated}. Raises ControlError,
         having changed nothing, when the job cannot take it or no safe point comes within `wait_s`."""
         self._check(node, parallelism)
-        req = _Request(node, int(parallelism), reason or "no reason given")
+        return self._submit(_Request(node, int(parallelism), reason or "no reason given"), wait_s)
+
+    def at_boundary(self, action: Callable[[], dict[str, Any]], wait_s: float = 600.0) -> dict[str, Any]:
+        """Run `action` at the loop's next safe point (at once outside the loop) and return what it returns;
+        its ControlError reaches the caller as raised, any other error as a ControlError."""
+        return self._submit(_Request("", 0, "", action=action), wait_s)
+
+    def _submit(self, req: _Request, wait_s: float) -> dict[str, Any]:
         with self._lock:
             if not self._looping:
-                return self._apply(req)
+                return self._run(req)
             self._pending.append(req)
         if not req.done.wait(wait_s):
             with self._lock:
@@ -144,12 +153,15 @@ class Steering:
         queued, self._pending = self._pending, []
         for req in queued:
             try:
-                req.result = self._apply(req)
+                req.result = self._run(req)
             except BaseException as e:
                 req.error = e if isinstance(e, ControlError) else ControlError(f"{type(e).__name__}: {e}")
                 if self.on_error is not None and not isinstance(e, ControlError):
                     self.on_error(e)
             req.done.set()
+
+    def _run(self, req: _Request) -> dict[str, Any]:
+        return req.action() if req.action is not None else self._apply(req)
 
     def _apply(self, req: _Request) -> dict[str, Any]:
         """Checked again (the job may have moved since the request came in), stored, then applied;

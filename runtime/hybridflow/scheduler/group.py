@@ -37,22 +37,28 @@ class HostGroup:
     def __len__(self) -> int:
         return len(self.hosts)
 
-    def submit(self, method: str, batch: Shardable, *args: Any, shard: bool = True) -> list[ray.ObjectRef]:
+    def submit(self, method: str, batch: Shardable, *args: Any, shard: bool = True,
+               replicas: int = 1) -> list[ray.ObjectRef]:
         """`method(part, *args)` on every host: part i is shard i of `batch`, or all of it when shard=False.
 
-        A batch with fewer rows than hosts leaves the last hosts without a call (the plan keeps trained
-        nodes at most as wide as a step's batch, so every data-parallel rank gets rows).
+        With replicas=P the batch is cut into len(hosts)/P shards and hosts P*i .. P*i+P-1 all get shard i
+        (a sequence-parallel group shares its rows). A batch with fewer rows than shards leaves the last
+        hosts without a call (the plan keeps trained nodes at most as wide as a step's batch, so every
+        data-parallel rank gets rows).
         """
         hosts = self.hosts
         if shard:
-            return [getattr(h, method).remote(part, *args) for h, part in zip(hosts, batch.shard(len(hosts)),
-                                                                               strict=False)]
+            shards: list[Any] = list(batch.shard(max(1, len(hosts) // replicas)))
+            if replicas > 1:  # one copy in the object store per shard, not one per host
+                shards = [ray.put(part) for part in shards]
+            parts = [part for part in shards for _ in range(replicas)]
+            return [getattr(h, method).remote(part, *args) for h, part in zip(hosts, parts, strict=False)]
         whole = ray.put(batch)
         return [getattr(h, method).remote(whole, *args) for h in hosts]
 
-    def map(self, method: str, batch: Shardable, *args: Any, shard: bool = True) -> list[Any]:
+    def map(self, method: str, batch: Shardable, *args: Any, shard: bool = True, replicas: int = 1) -> list[Any]:
         """`submit`, then wait: one result per host that got a part, in rank order."""
-        return ray.get(self.submit(method, batch, *args, shard=shard))
+        return ray.get(self.submit(method, batch, *args, shard=shard, replicas=replicas))
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """`method(*args)` on every host; one result per host, in rank order."""

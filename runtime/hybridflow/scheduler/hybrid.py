@@ -633,6 +633,10 @@ class HybridScheduler:
         table = placement_group_table(pg)
         return {int(k): str(v) for k, v in table.get("bundles_to_node_id", {}).items()}
 
+    def decide(self, message: str, kind: DecisionKind, node: str, reason: str | None = None) -> None:
+        """A decision taken outside the scheduler (e.g. sequence parallelism turned off), logged as its own."""
+        self._decide(message, kind, node, reason)
+
     def _decide(self, message: str, kind: DecisionKind, node: str, reason: str | None = None) -> None:
         """Log a decision; `reason` defaults to the message without its "Scheduling decision: " prefix."""
         self.decisions.append(message)

@@ -14,6 +14,7 @@ from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.modeling import DTYPES, check_model_dir, position_ids
 from hybridflow.workers.optim import train_epochs
 from hybridflow.workers.training import RoleTraining
+from hybridflow.workers.ulysses import SequenceParallel, forward_tokens
 
 
 class ValueModel(torch.nn.Module):
@@ -28,9 +29,15 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` default to those that skip left padding; a mask of None is plain causal (a
+        sequence-parallel slice, whose attention brings the whole sequence's mask)."""
+        if positions is None:
+            assert attention_mask is not None
+            positions = position_ids(attention_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
+                               position_ids=positions, use_cache=False).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
 
@@ -45,11 +52,12 @@ class CriticWorker:
         self.training = RoleTraining(self.model, lr=spec.trainer.critic_lr, options=spec.trainer.training,
                                      device=device)
         self.shuffle = torch.Generator().manual_seed(seed + 7919)
+        self.sp = SequenceParallel.for_model(spec.model.critic.sequence_parallel, self.model.backbone.config)
 
     def _values(self, batch: RolloutBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Values of the states that precede each response token: positions P-1 .. P+R-2."""
         module = self.model if model is None else model
-        v = module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
+        v = forward_tokens(module, self.sp, batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
         return v[:, batch.prompt_length - 1:-1]
 
     @torch.no_grad()

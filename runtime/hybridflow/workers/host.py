@@ -91,6 +91,11 @@ class WorkerHost:
             worker.training.invalidate()
         return chosen
 
+    def disable_sequence_parallel(self) -> bool:
+        """The critic's ranks fall back to whole sequences (see ulysses.SequenceParallel); whether SP was on."""
+        critic = self.workers.get("critic")
+        return critic.sp.disable() if critic is not None else False
+
     # -- dataflow ---------------------------------------------------------------------------------
 
     def rollout(self, rows: list[dict[str, str]], group_ids: list[int], chain: list[str]) -> RolloutBatch:
