@@ -10,11 +10,11 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
+from benchmarks.chaos.procs import own_processes
 from hybridflow.api import parse_job
 from hybridflow.checkpoint import Superseded, claim
 from hybridflow.checkpoint import complete_steps as checkpoint_steps
@@ -116,15 +116,14 @@ def test_resume_gives_the_same_metrics_as_a_straight_run(example_doc, tmp_path) 
 
 
 def _kill_when(metrics: Path, step: int, title: str, killed: list[int], stop: threading.Event) -> None:
-    """SIGKILL the first process whose title starts with `title` once `metrics` reaches `step`."""
+    """SIGKILL the first process of this test's own Ray whose title starts with `title` once `metrics` reaches
+    `step` (never another Ray's on the same machine)."""
     while not stop.is_set():
         if metrics.is_file() and any(r["step"] >= step for r in read_metrics(metrics)):
-            for p in psutil.process_iter(["pid", "cmdline"]):
-                cmd = " ".join(p.info["cmdline"] or [])
-                if cmd.startswith(title) and p.pid != os.getpid():
-                    os.kill(p.pid, signal.SIGKILL)
-                    killed.append(p.pid)
-                    return
+            for pid in sorted(own_processes(title)):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
         time.sleep(0.05)
 
 
