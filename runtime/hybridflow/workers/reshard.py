@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.workers.training import full
+
 DEFAULT_BUCKET_BYTES = 256 << 20
 """Big enough that per-bucket overhead (one RPC, one copy launch) is small next to the copy itself."""
 
@@ -140,12 +142,6 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a DTensor's shards are gathered (a collective: every training rank must call it)."""
-    gather = getattr(tensor, "full_tensor", None)
-    return gather() if callable(gather) else tensor
 
 
 def stream_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
