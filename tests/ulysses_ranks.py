@@ -90,7 +90,7 @@ def case_equal(rank: int) -> dict[str, Any]:
         loss, _ = algos.value_loss(w._values(batch), batch.tensors["returns"], batch.tensors["values"], m,
                                    clip=0.2, agg="token-mean")
         loss.backward()
-        distributed.average_gradients(w.model)  # as train_epochs does before every step
+        distributed.average_gradients(w.model.parameters())  # as train_epochs does before every step
         losses.append(float(loss))
         grads.append(flat_grads(w.model))
     out["loss_sp"], out["loss_plain"] = losses
@@ -106,7 +106,9 @@ def case_equal(rank: int) -> dict[str, Any]:
         max_diff(a, b) for a, b in zip(sp_worker.model.parameters(), plain.model.parameters(), strict=True))
 
     out["was_on"] = sp_worker.sp.disable()
-    sp_worker.load_state_dict(copy.deepcopy(plain.state_dict()))  # the same weights from here on
+    state = plain.state_dict()  # the same weights, and a fresh optimizer on both, from here on
+    sp_worker.load_state_dict(copy.deepcopy(state))
+    plain.load_state_dict(copy.deepcopy(state))
     out["group_after_disable"] = sp_worker.sp.group() is not None
     with torch.no_grad():
         out["disabled_values_max_abs_diff"] = max_diff(sp_worker._values(batch) * m, plain._values(batch) * m)
@@ -191,7 +193,7 @@ def case_gqa(rank: int) -> dict[str, Any]:
                           use_cache=False).last_hidden_state
             (h * mask[..., None]).square().sum().backward()
             if sp:
-                distributed.average_gradients(model)  # each rank's loss counts once in the sum
+                distributed.average_gradients(model.parameters())  # each rank's loss counts once in the sum
             results.append(((h * mask[..., None]).detach(), flat_grads(model)))
         out[f"kv{kv}_output_max_abs_diff"] = max_diff(results[0][0], results[1][0])
         out[f"kv{kv}_grad_max_rel_diff"] = max_diff(results[0][1], results[1][1]) / float(results[1][1].abs().max())
