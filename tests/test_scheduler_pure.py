@@ -167,7 +167,7 @@ def test_backlog_counts_sequences_a_new_batch_finds_unfinished() -> None:
     finished.add("c0")
     ch.put("c2", 16)  # type: ignore[arg-type]  # c0 done but not taken: it no longer counts
     ch.put("c3", 16)  # type: ignore[arg-type]  # c1, c2 unfinished
-    assert ch.take_backlog() == 32
+    assert ch.take_backlog() == 32 and ch.status()["backlog"] == 32
     assert ch.take_backlog() == 0  # each observation sees only the batches put since the last
     finished.update({"c1", "c2", "c3"})
     ch.put("c4", 16)  # type: ignore[arg-type]  # a consumer that keeps up leaves an empty queue

@@ -138,6 +138,8 @@ class EdgeChannel:
         self._items: list[_Item] = []
         self._peak = 0
         self._backlog = 0
+        self.last_backlog = 0
+        """What the last observation saw, for status."""
 
     @property
     def bytes_total(self) -> int:
@@ -164,8 +166,8 @@ class EdgeChannel:
 
     def take_backlog(self) -> int:
         """The most sequences a batch put since the last call found still waiting for the consumer."""
-        backlog, self._backlog = self._backlog, 0
-        return backlog
+        self.last_backlog, self._backlog = self._backlog, 0
+        return self.last_backlog
 
     def pending(self) -> int:
         return len(self._items)
@@ -226,6 +228,7 @@ class EdgeChannel:
     def status(self) -> dict[str, Any]:
         return {
             "queue_len": self.pending(),
+            "backlog": self.last_backlog,
             "high_watermark": self.high_watermark,
             "latency": self.latency.as_dict(),
             "transport": self.transport,
