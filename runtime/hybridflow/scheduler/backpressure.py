@@ -22,9 +22,9 @@ def high_watermark(configured: int | None, step_sequences: int) -> int:
     """scheduling.queueHighWatermark, else half the sequences of one step (at least 1).
 
     A consumer that keeps up leaves each new batch an empty queue; one still holding half a step of
-    sequences when the next batch arrives is the step's bottleneck. A step dealt as one batch per producer
-    instance, the default, finds at most (instances - 1) / instances of a step queued, so with one actor
-    instance it never fires: more consumers would get no batch to share.
+    sequences when the next batch arrives is the step's bottleneck. Without scheduling.microBatchSize a
+    step is one batch per producer instance, so n instances leave at most (n - 1) / n of a step queued:
+    with one or two it never fires, as more consumers would have no more batches to share.
     """
     return configured if configured is not None else max(1, step_sequences // 2)
 
