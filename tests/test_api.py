@@ -36,7 +36,7 @@ def test_defaults_fill_an_empty_spec() -> None:
     job = parse_job({"apiVersion": "hybridflow.io/v1alpha1", "kind": "RLTrainingJob", "metadata": {"name": "x"}})
     assert job.spec.rollout.engine == "torch"
     assert job.spec.trainer.resume == "auto"
-    assert job.spec.scheduling.queue_high_watermark == 100
+    assert job.spec.scheduling.queue_high_watermark is None  # half a step's sequences (backpressure.high_watermark)
 
 
 def test_every_problem_is_reported_with_its_path(example_doc) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hybridflow.graph import DataflowGraph, Edge, Node
-from hybridflow.scheduler.backpressure import BackpressurePolicy, QueueSignal
-from hybridflow.scheduler.edges import EdgeChannel, LatencyStats, percentile
+from hybridflow.scheduler.backpressure import BackpressurePolicy, QueueSignal, high_watermark
+from hybridflow.scheduler.edges import EdgeChannel, EdgeSizeError, LatencyStats, percentile, size_problem
 from hybridflow.scheduler.head import HeadLost, HeadWatch
 from hybridflow.scheduler.placement import (
     EMPTY_BUNDLE_CPU,
@@ -128,16 +128,74 @@ def test_percentile_nearest_rank() -> None:
     assert percentile([1.0, 2.0], 95) == 2.0
 
 
-def test_channel_counts_pending_bytes_and_oversize_without_ray() -> None:
-    ch = EdgeChannel("a->b", high_watermark=2, max_size_bytes=100)
-    ch.put("ref-1", 50)  # type: ignore[arg-type]
-    ch.put("ref-2", 500)  # type: ignore[arg-type]
-    ch.put("ref-3")  # type: ignore[arg-type]
+def test_channel_counts_pending_and_batch_sizes_without_ray() -> None:
+    ch = EdgeChannel("a->b", high_watermark=2, max_size_bytes=100, finished=lambda refs: set())
+    for ref in ("ref-1", "ref-2", "ref-3"):
+        ch.put(ref)  # type: ignore[arg-type]
+    ch.record_bytes(50)
+    ch.record_bytes(100)  # at the limit is allowed
     st = ch.status()
     assert ch.pending() == 3 and st["queue_len"] == 3
-    assert st["bytes_total"] == 550 and st["oversize"] == 1
-    assert st["high_watermark"] == 2
+    assert (st["batches"], st["bytes_total"], st["bytes_last"], st["bytes_max"]) == (2, 150, 100, 100)
+    assert (st["transport"], st["max_size_bytes"], st["high_watermark"]) == ("object_store", 100, 2)
     assert st["latency"]["count"] == 0
+
+
+def test_a_batch_over_the_limit_is_refused_naming_edge_size_and_limit() -> None:
+    ch = EdgeChannel("actor_rollout->reward", high_watermark=2, max_size_bytes=1000)
+    with pytest.raises(EdgeSizeError) as err:
+        ch.record_bytes(4096)
+    assert str(err.value).startswith(
+        "edge actor_rollout->reward: a batch of 4096 bytes is over its maxSizeBytes 1000; ")
+    assert ch.sizes.count == 0  # nothing was sent
+    assert size_problem("a->b", 4096, None, "object_store") is None  # no limit
+
+
+def test_an_in_process_edge_records_sizes_but_never_refuses() -> None:
+    """Co-located nodes hand a batch over in place: nothing is copied, so the limit has nothing to bound."""
+    assert size_problem("a->b", 4096, 1000, "in_process") is None
+    ch = EdgeChannel("a->b", high_watermark=2, max_size_bytes=1000, transport="in_process")
+    ch.record_bytes(4096)
+    assert ch.status()["bytes_max"] == 4096 and ch.status()["transport"] == "in_process"
+
+
+def test_backlog_counts_sequences_a_new_batch_finds_unfinished() -> None:
+    finished: set[str] = set()
+    ch = EdgeChannel("a->b", high_watermark=8, finished=lambda refs: {r for r in refs if r in finished})
+    ch.put("c0", 16)  # type: ignore[arg-type]
+    ch.put("c1", 16)  # type: ignore[arg-type]  # c0 unfinished: 16 queued
+    finished.add("c0")
+    ch.put("c2", 16)  # type: ignore[arg-type]  # c0 done but not taken: it no longer counts
+    ch.put("c3", 16)  # type: ignore[arg-type]  # c1, c2 unfinished
+    assert ch.take_backlog() == 32 and ch.status()["backlog"] == 32
+    assert ch.take_backlog() == 0  # each observation sees only the batches put since the last
+    finished.update({"c1", "c2", "c3"})
+    ch.put("c4", 16)  # type: ignore[arg-type]  # a consumer that keeps up leaves an empty queue
+    assert ch.take_backlog() == 0
+
+
+def test_default_watermark_is_half_a_step_of_sequences() -> None:
+    assert high_watermark(None, 64) == 32
+    assert high_watermark(None, 1) == 1 and high_watermark(None, 0) == 1
+    assert high_watermark(7, 64) == 7  # scheduling.queueHighWatermark wins
+
+
+def test_a_slow_consumer_in_a_default_step_crosses_the_default_watermark() -> None:
+    """64 sequences a step in 4 micro-batches of 16: a consumer that finishes nothing before the last arrives
+    leaves it 48 queued, above the default 32; one that keeps up leaves 0, below the low mark (16)."""
+    policy = BackpressurePolicy(high_watermark(None, 64), window=3)
+    slow = EdgeChannel("a->b", policy.high_watermark, finished=lambda refs: set())
+    fast = EdgeChannel("a->c", policy.high_watermark, finished=set)
+    signals = []
+    for _step in range(3):
+        for i in range(4):
+            slow.put(f"s{i}", 16)  # type: ignore[arg-type]
+            fast.put(f"f{i}", 16)  # type: ignore[arg-type]
+        signals += [policy.observe("a->b", slow.take_backlog()), policy.observe("a->c", fast.take_backlog())]
+        slow.discard()
+        fast.discard()
+    assert signals[-2:] == [QueueSignal("a->b", "high", 48), QueueSignal("a->c", "low", 0)]
+    assert signals[:-2] == [None] * 4
 
 
 # -- placement -----------------------------------------------------------------------------------

@@ -304,8 +304,7 @@ def reference_in_policy(spec: RLTrainingJobSpec) -> bool:
 
 def _add_loop(g: DataflowGraph, actor: Node, consumers: Iterable[Node], trainer: Node) -> None:
     for c in consumers:
-        g.edge(Edge(actor, c, data_type="rollout_batch", co_locate=c.pool == actor.pool and c.role != "critic",
-                    max_size_bytes=10_000_000))
+        g.edge(Edge(actor, c, data_type="rollout_batch", co_locate=c.pool == actor.pool and c.role != "critic"))
     g.edge(Edge(trainer, actor, data_type="updated_policy", control=True, consistency="strong"))
 
 

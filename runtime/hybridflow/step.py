@@ -55,6 +55,8 @@ class StepOutput:
     stats: dict[str, float] = field(default_factory=dict)
     advantages: dict[str, float] = field(default_factory=dict)
     update: dict[str, float] = field(default_factory=dict)
+    rollout_bytes: int = 0
+    """Tensor bytes of the scored rollout batch: what the actor's process handed its co-located steps."""
 
     def add(self, phase: Phase, seconds: float, compute: float) -> None:
         self.seconds[phase] = seconds
@@ -76,6 +78,7 @@ def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, 
     t0 = time.perf_counter()
     batch, compute = runner.rollout_phase(rows, group_ids)
     out.timings = dict(batch.timings)
+    out.rollout_bytes = batch.nbytes()
     out.add("rollout", time.perf_counter() - t0, compute)
     if "values" in phases:
         t0 = time.perf_counter()

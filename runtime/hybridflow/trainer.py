@@ -84,8 +84,16 @@ class Trainer:
         self.plan = step_plan(self.graph, self.spec)
         t = self.spec.trainer
         self.scheduler = HybridScheduler(self.graph, self.spec.scheduling, max_restarts=t.worker_max_restarts,
-                                         name_prefix=self.job.metadata.name)
+                                         name_prefix=self.job.metadata.name,
+                                         step_sequences=sequences_per_step(self.spec))
         self.groups = {n.name: HostGroup(n.name, self.scheduler) for n in self.graph.nodes}
+        out = {e.dst_name: self.scheduler.channel(e.key) for e in self.graph.data_edges()
+               if e.src_name == self.plan.actor.name}
+        self._handed_in_process = [c for c in out.values() if c.transport == "in_process"]
+        """Edges whose consumer runs in the actor's process: each generated chunk is handed over in place."""
+        critic = self.plan.critic.name if self.plan.critic is not None else None
+        self._to_critic = out.get(critic) if critic is not None and "values" in self.plan.phases else None
+        """The edge a separate critic's values phase gets the step's batch on (through the object store)."""
         self.actor = self.groups[self.plan.actor.name]
         self.critic = self.groups[self.plan.critic.name] if self.plan.critic is not None else None
         self.trained = [self.groups[n.name] for n in self.plan.trained]
@@ -307,6 +315,8 @@ class Trainer:
         kl_coef = self.kl_ctl.value
         if self.plan.fused:
             out, = self.actor.call("run_step", list(self.plan.phases), rows, gids, list(self.plan.colocated), kl_coef)
+            for channel in self._handed_in_process:
+                channel.record_bytes(out.rollout_bytes)
         else:
             out = run_step(self, self.plan.phases, rows, gids, self.spec, kl_coef)
         elapsed = time.perf_counter() - t0
@@ -323,16 +333,22 @@ class Trainer:
         gen_refs = [ref for _, ref in dealt]
         chunk_of = {ref: i for i, ref in enumerate(gen_refs)}
         sent: dict[str, list[int]] = {r.edge: [] for r in self.plan.remote}
+        got: dict[ray.ObjectRef, RolloutBatch] = {}
         waiting = list(gen_refs)
         while waiting and self.plan.remote:
             done, waiting = ray.wait(waiting, num_returns=1)
+            got[done[0]] = part = ray.get(done[0])  # its size decides whether it may leave the actor's process
             for r in self.plan.remote:
-                self.scheduler.channel(r.edge).put(self.groups[r.node.name].next("run", done[0], r.step.name))
+                channel = self.scheduler.channel(r.edge)
+                channel.record_bytes(part.nbytes())
+                channel.put(self.groups[r.node.name].next("run", done[0], r.step.name), len(part))
                 sent[r.edge].append(chunk_of[done[0]])
-        parts: list[RolloutBatch] = ray.get(gen_refs)
-        for r in self.plan.remote:
-            for i in sent[r.edge]:
-                self.scheduler.channel(r.edge).record_bytes(parts[i].nbytes())
+        rest = [ref for ref in gen_refs if ref not in got]
+        got.update(zip(rest, ray.get(rest), strict=True))
+        parts = [got[ref] for ref in gen_refs]
+        for channel in self._handed_in_process:
+            for part in parts:
+                channel.record_bytes(part.nbytes())
         self._observe()
         busy: dict[str, float] = {}
         for (host, _), part in zip(dealt, parts, strict=True):
@@ -371,6 +387,8 @@ class Trainer:
         assert self.critic is not None
         if self.sp < self.spec.model.critic.sequence_parallel:  # turned off: hosts restarted since start it again
             self.critic.call("disable_sequence_parallel")
+        if self._to_critic is not None:
+            self._to_critic.record_bytes(batch.nbytes())
         results: list[PhaseResult] = self.critic.map("run", batch, "values", replicas=self.sp)
         batch.tensors["values"] = torch.cat([r.tensors["values"] for r in results[::self.sp]])
         return max(r.seconds for r in results)

@@ -451,6 +451,10 @@ class GraphEdge(ApiModel):
     control: bool = False
     co_locate: bool = False
     max_size_bytes: int | None = Field(None, ge=1)
+    """The most tensor bytes one batch may carry when it leaves the producer's process on this edge (through
+    Ray's object store); a larger one stops the step with an error naming the edge, the size and the limit.
+    Nodes that share a process (coLocate) hand batches over in place, so the limit does not apply to them;
+    sizes are recorded either way (status edges). null = no limit."""
     consistency: Literal["strong", "eventual"] = "strong"
 
 
@@ -500,7 +504,9 @@ class Graph(ApiModel):
 class Scheduling(ApiModel):
     placement_timeout_seconds: float = Field(120.0, gt=0.0, le=86400.0)
     """Fail with the missing resources when placement groups are not ready in time."""
-    queue_high_watermark: int = Field(100, ge=1)
+    queue_high_watermark: int | None = Field(None, ge=1)
+    """Sequences queued on a data edge (put before a new batch arrives, not yet finished by the consumer)
+    above which the consumer is behind; null = half the sequences of one step (batchSize x samplesPerPrompt)."""
     backpressure: bool = True
     backpressure_window: int = Field(3, ge=1)
     """Consecutive observations above the watermark before parallelism is changed."""

@@ -93,7 +93,8 @@ def render_status(status: dict[str, Any]) -> str:
     lines.append("edges:" if status["edges"] else "edges: none (every step runs in the actor's hosts)")
     for key, edge in status["edges"].items():
         lat = edge["latency"]
-        lines.append(f"  {key}  queue {edge['queue_len']}/{edge['high_watermark']}  transfers {lat['count']}  "
+        queued = edge.get("backlog", edge["queue_len"])  # sequences, the watermark's unit
+        lines.append(f"  {key}  queue {queued}/{edge['high_watermark']}  transfers {lat['count']}  "
                      f"latency mean {lat['mean_s']:.3f}s p95 {lat['p95_s']:.3f}s")
     decisions = status["decisions"]
     lines.append(f"decisions (last {min(RECENT_DECISIONS, len(decisions))} of {len(decisions)}):")

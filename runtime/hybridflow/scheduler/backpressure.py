@@ -1,6 +1,8 @@
 """Adaptive backpressure as pure policy: when a queue stays long, what should change, in which order.
 
-The scheduler feeds in queue lengths and parallelism and applies the first candidate that works:
+A queue is measured in sequences: the backlog a batch finds on its edge when it arrives (EdgeChannel),
+so the watermark means the same whatever the micro-batch size. The scheduler feeds in those backlogs and
+parallelism and applies the first candidate that works:
 a queue above the high watermark for `window` observations first raises the consumer (when the
 cluster has room) and otherwise slows the producer; a queue below half the watermark for `window`
 observations walks changed parallelism back, one step at a time, toward the plan.
@@ -14,6 +16,17 @@ from typing import Any, Literal
 
 Action = Literal["raise_downstream", "lower_upstream", "relax_downstream", "relax_upstream"]
 SignalKind = Literal["high", "low"]
+
+
+def high_watermark(configured: int | None, step_sequences: int) -> int:
+    """scheduling.queueHighWatermark, else half the sequences of one step (at least 1).
+
+    A consumer that keeps up leaves each new batch an empty queue; one still holding half a step of
+    sequences when the next batch arrives is the step's bottleneck. Without scheduling.microBatchSize a
+    step is one batch per producer instance, so n instances leave at most (n - 1) / n of a step queued:
+    with one or two it never fires, as more consumers would have no more batches to share.
+    """
+    return configured if configured is not None else max(1, step_sequences // 2)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Edge queues: the object refs in flight on each data edge, and how long they took to arrive.
+"""Edge queues: the object refs in flight on each data edge, how long they took, how big they were.
 
-LatencyStats is pure; EdgeChannel is the thin Ray layer (ray.wait / ray.get) over it.
+LatencyStats, SizeStats and size_problem are pure; EdgeChannel is the thin Ray layer (ray.wait / ray.get)
+over them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import ray
 
@@ -62,44 +63,111 @@ class LatencyStats:
                 "max_s": self.max_s}
 
 
+Transport = Literal["in_process", "object_store"]
+"""How a batch crosses an edge: handed over inside the producer's process (a coLocate edge: nothing is
+copied), or through Ray's object store (stored once by the producer, read by the consumer's process)."""
+
+
+class EdgeSizeError(ValueError):
+    """A batch larger than its edge's max_size_bytes was about to leave the producer's process."""
+
+
+def size_problem(edge: str, size_bytes: int, limit: int | None, transport: Transport) -> str | None:
+    """Why a batch of `size_bytes` may not cross `edge`, or None.
+
+    The limit bounds what is copied between processes; an in-process hand-off copies nothing, so only
+    object-store batches are held to it.
+    """
+    if limit is None or transport == "in_process" or size_bytes <= limit:
+        return None
+    return (f"edge {edge}: a batch of {size_bytes} bytes is over its maxSizeBytes {limit}; raise "
+            f"maxSizeBytes, lower scheduling.microBatchSize, or co-locate the two nodes (coLocate: true)")
+
+
+class SizeStats:
+    """Sizes of the batches that crossed one edge: count, total, last and largest, in bytes."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0
+        self.last = 0
+        self.max = 0
+
+    def add(self, size_bytes: int) -> None:
+        self.count += 1
+        self.total += size_bytes
+        self.last = size_bytes
+        self.max = max(self.max, size_bytes)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"batches": self.count, "bytes_total": self.total, "bytes_last": self.last, "bytes_max": self.max}
+
+
+def _finished_now(refs: list[ray.ObjectRef]) -> set[ray.ObjectRef]:
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    return set(ready)
+
+
 @dataclass
 class _Item:
     ref: ray.ObjectRef
     submitted: float
-    size_bytes: int | None
+    sequences: int
 
 
 class EdgeChannel:
     """The refs submitted on one edge and not yet taken by the consumer; latency = submit to take.
 
-    The controller puts each ref it dispatches for the edge's producer, and takes results for the
-    consumer; `pending()` is the queue length the backpressure policy watches.
+    The controller puts each ref it dispatches to the edge's consumer, with the sequences it carries, and
+    takes the results. What backpressure watches is the backlog a new batch finds: the sequences put
+    before it whose consumer task has not finished (`take_backlog`). A batch taken at once by an idle
+    consumer finds none, however many batches a step has or how late the controller collects them.
     """
 
     def __init__(self, key: str, high_watermark: int, max_size_bytes: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 transport: Transport = "object_store", clock: Callable[[], float] = time.monotonic,
+                 finished: Callable[[list[ray.ObjectRef]], set[ray.ObjectRef]] = _finished_now) -> None:
         self.key = key
         self.high_watermark = high_watermark
         self.max_size_bytes = max_size_bytes
+        self.transport: Transport = transport
         self.latency = LatencyStats()
-        self.bytes_total = 0
-        self.oversize = 0
-        """Puts larger than the edge's max_size_bytes: a hint that data meant to stay local does not."""
+        self.sizes = SizeStats()
         self._clock = clock
+        self._finished = finished
         self._items: list[_Item] = []
         self._peak = 0
+        self._backlog = 0
+        self.last_backlog = 0
+        """What the last observation saw, for status."""
 
-    def put(self, ref: ray.ObjectRef, size_bytes: int | None = None) -> None:
-        self._items.append(_Item(ref, self._clock(), size_bytes))
-        self._peak = max(self._peak, len(self._items))
-        if size_bytes is not None:
-            self.record_bytes(size_bytes)
+    @property
+    def bytes_total(self) -> int:
+        return self.sizes.total
+
+    def check(self, size_bytes: int) -> None:
+        """Raise EdgeSizeError when a batch of `size_bytes` may not cross this edge (see size_problem)."""
+        problem = size_problem(self.key, size_bytes, self.max_size_bytes, self.transport)
+        if problem:
+            raise EdgeSizeError(problem)
 
     def record_bytes(self, size_bytes: int) -> None:
-        """Count a payload sent on the edge, when its size is known only after the put."""
-        self.bytes_total += size_bytes
-        if self.max_size_bytes is not None and size_bytes > self.max_size_bytes:
-            self.oversize += 1
+        """Check and count a batch sent on the edge (an in-process hand-off is counted, never stopped)."""
+        self.check(size_bytes)
+        self.sizes.add(size_bytes)
+
+    def put(self, ref: ray.ObjectRef, sequences: int = 1) -> None:
+        """Queue a consumer task's result; `sequences` is the unit backpressure counts (1 for plain items)."""
+        if self._items:
+            done = self._finished([it.ref for it in self._items])
+            self._backlog = max(self._backlog, sum(it.sequences for it in self._items if it.ref not in done))
+        self._items.append(_Item(ref, self._clock(), sequences))
+        self._peak = max(self._peak, len(self._items))
+
+    def take_backlog(self) -> int:
+        """The most sequences a batch put since the last call found still waiting for the consumer."""
+        self.last_backlog, self._backlog = self._backlog, 0
+        return self.last_backlog
 
     def pending(self) -> int:
         return len(self._items)
@@ -160,8 +228,10 @@ class EdgeChannel:
     def status(self) -> dict[str, Any]:
         return {
             "queue_len": self.pending(),
+            "backlog": self.last_backlog,
             "high_watermark": self.high_watermark,
             "latency": self.latency.as_dict(),
-            "bytes_total": self.bytes_total,
-            "oversize": self.oversize,
+            "transport": self.transport,
+            "max_size_bytes": self.max_size_bytes,
+            **self.sizes.as_dict(),
         }

@@ -4,7 +4,7 @@ Device mapping happens once, in `start`: one placement group per co-location gro
 instance i of every member node) and one host actor per instance, so co-located roles hand data over
 in-process. Whole-GPU groups with parallelism > 1 are staged: their ranks fill nodes and are logged
 per node. Data-parallel groups get torch.distributed ranks. Between dispatches, `observe` turns queue
-lengths into parallelism changes (backpressure.py decides, this module acts).
+backlogs (in sequences) into parallelism changes (backpressure.py decides, this module acts).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hybridflow.api.spec import Scheduling
 from hybridflow.control.names import RAY_NAMESPACE
 from hybridflow.graph import ColocationGroup, DataflowGraph
-from hybridflow.scheduler.backpressure import BackpressureDecision, BackpressurePolicy
+from hybridflow.scheduler.backpressure import BackpressureDecision, BackpressurePolicy, high_watermark
 from hybridflow.scheduler.edges import EdgeChannel
 from hybridflow.scheduler.placement import (
     DP_ROLES,
@@ -112,12 +112,15 @@ class _Group:
 
 
 class HybridScheduler:
-    """Places a dataflow graph on Ray and adapts its parallelism; see the module docstring."""
+    """Places a dataflow graph on Ray and adapts its parallelism; see the module docstring.
+
+    `step_sequences`, the sequences one training step sends down a data edge, sets the default watermark.
+    """
 
     def __init__(self, graph: DataflowGraph, scheduling: Scheduling, max_restarts: int = 3,
                  name_prefix: str = "hf", *, namespace: str = NAMESPACE,
                  dp_roles: Collection[str] = DP_ROLES, adjust_timeout_s: float = 10.0,
-                 call_timeout_s: float = 300.0) -> None:
+                 call_timeout_s: float = 300.0, step_sequences: int = 0) -> None:
         self.graph = graph.validate()
         self.scheduling = scheduling
         self.max_restarts = max_restarts
@@ -133,7 +136,8 @@ class HybridScheduler:
         self.decision_log: list[dict[str, Any]] = []
         """The decisions again, structured for the dashboard: time (Unix seconds), kind, node, reason, message."""
         self.events: list[BackpressureDecision] = []
-        self._policy = BackpressurePolicy(scheduling.queue_high_watermark, scheduling.backpressure_window)
+        watermark = high_watermark(scheduling.queue_high_watermark, step_sequences)
+        self._policy = BackpressurePolicy(watermark, scheduling.backpressure_window)
         self._groups: dict[str, _Group] = {}
         self._group_of: dict[str, str] = {}
         self._remote: Any = None
@@ -141,8 +145,10 @@ class HybridScheduler:
         self._serial = 0
         self._started = False
         self._pg_prefix = ""
+        shared = {n.name: i for i, g in enumerate(self.graph.colocation_groups()) for n in g.nodes}
         self._channels = {
-            e.key: EdgeChannel(e.key, scheduling.queue_high_watermark, e.max_size_bytes)
+            e.key: EdgeChannel(e.key, watermark, e.max_size_bytes,
+                               "in_process" if shared[e.src_name] == shared[e.dst_name] else "object_store")
             for e in self.graph.data_edges()
         }
 
@@ -520,7 +526,7 @@ class HybridScheduler:
             return []
         out: list[BackpressureDecision] = []
         for e in self.graph.data_edges():
-            signal = self._policy.observe(e.key, self._channels[e.key].pending())
+            signal = self._policy.observe(e.key, self._channels[e.key].take_backlog())
             if signal is None:
                 continue
             ends = (e.src_name, e.dst_name)
