@@ -176,7 +176,7 @@ class TestSingleNode:
         ch = s.channel("actor_rollout->critic")
         host = s.hosts("critic")[0]
         for i in range(4):
-            ch.put(host.slow.remote(i, 0.05), size_bytes=10)
+            ch.put(host.slow.remote(i, 0.05))
         assert ch.pending() == 4
         assert s.get_status()["nodes"]["critic"]["queue_len"] == 4
         first = ch.take_ready(timeout=30)
