@@ -42,14 +42,8 @@ class ApiModel(BaseModel):
 @functools.cache
 def _not_nullable(model: type[BaseModel]) -> frozenset[str]:
     """Aliases (the names documents use) of the model's fields whose type has no None."""
-    out: set[str] = set()
-    for name, field in model.model_fields.items():
-        annotation = field.annotation
-        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-        nullable = annotation is Any or annotation is None or (union and type(None) in typing.get_args(annotation))
-        if not nullable:
-            out.add(field.alias or name)
-    return frozenset(out)
+    return frozenset(field.alias or name for name, field in model.model_fields.items()
+                     if not _takes_null(field.annotation))
 
 
 @functools.cache
@@ -61,9 +55,12 @@ def _maps_without_null(model: type[BaseModel]) -> frozenset[str]:
         if typing.get_origin(annotation) in (typing.Union, types.UnionType):
             options = [a for a in typing.get_args(annotation) if a is not type(None)]
             annotation = options[0] if len(options) == 1 else None
-        if typing.get_origin(annotation) is dict:
-            value = typing.get_args(annotation)[1]
-            union = typing.get_origin(value) in (typing.Union, types.UnionType)
-            if not (value is Any or (union and type(None) in typing.get_args(value))):
-                out.add(field.alias or name)
+        if typing.get_origin(annotation) is dict and not _takes_null(typing.get_args(annotation)[1]):
+            out.add(field.alias or name)
     return frozenset(out)
+
+
+def _takes_null(annotation: Any) -> bool:
+    """Whether a value of this type may be null: Any, None, or a union with None."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return annotation is Any or annotation is None or (union and type(None) in typing.get_args(annotation))

@@ -201,7 +201,7 @@ class HybridScheduler:
         pgs: list[PlacementGroup] = []
         try:
             for p in plans:
-                self._decide(f"Scheduling decision: placement group {p.describe()}", "placement", p.name)
+                self.decide(f"Scheduling decision: placement group {p.describe()}", "placement", p.name)
                 pgs.append(placement_group([dict(p.bundle)] * p.parallelism, strategy=p.strategy,
                                            name=self._pg_name(p.name)))
         except BaseException:
@@ -267,18 +267,18 @@ class HybridScheduler:
         if len(g.plan.node_names) > 1:
             for i in indices:
                 names = " and ".join(f"{n}_{i}" for n in g.plan.node_names)
-                self._decide(f"Scheduling decision: co-located {names} on node {g.slots[i].info.get('node_id')}",
+                self.decide(f"Scheduling decision: co-located {names} on node {g.slots[i].info.get('node_id')}",
                              "colocation", g.plan.name)
         if g.plan.staged:
             placed = [(s.info.get("node_id", ""), list(s.info.get("gpu_ids", []))) for s in g.slots[: g.active]]
             stages = stages_of(placed)
             for st in stages:
                 members = ", ".join(f"{g.plan.name}_{i}" for i in st.instances)
-                self._decide(f"Scheduling decision: stage {st.index} of {g.plan.name}: {members} "
+                self.decide(f"Scheduling decision: stage {st.index} of {g.plan.name}: {members} "
                              f"on node {st.node_id} (GPU ids {list(st.gpu_ids)})", "stage", g.plan.name)
             sizes = tuple(len(st.instances) for st in stages)
             if g.active == g.plan.parallelism and sorted(sizes) != sorted(g.plan.planned_stages):
-                self._decide(f"Scheduling decision: {g.plan.name} landed in stages {list(sizes)}, "
+                self.decide(f"Scheduling decision: {g.plan.name} landed in stages {list(sizes)}, "
                              f"planned {list(g.plan.planned_stages)}", "stage", g.plan.name)
 
     # -- distributed ranks -----------------------------------------------------------------------
@@ -301,7 +301,7 @@ class HybridScheduler:
             for rank, h in enumerate(hosts):
                 calls.append((f"{g.plan.name} rank {rank}",
                               h.setup_distributed.remote(ip, port, rank, len(hosts), DIST_BACKEND)))
-            self._decide(f"Scheduling decision: data-parallel {g.plan.name}: world size {len(hosts)}, "
+            self.decide(f"Scheduling decision: data-parallel {g.plan.name}: world size {len(hosts)}, "
                          f"master {ip}:{port}, backend {DIST_BACKEND}", "distributed", g.plan.name)
         if not calls:
             return
@@ -458,7 +458,7 @@ class HybridScheduler:
             self._lower(g, target)
         elif not self._raise(g, target, node_name, reason, source):
             return old
-        self._decide(f"{source}: {node_name} parallelism {old} -> {target} ({reason}){with_}",
+        self.decide(f"{source}: {node_name} parallelism {old} -> {target} ({reason}){with_}",
                      _kind(source, "up" if target > old else "down"), node_name, reason)
         if source == "Manual":
             g.target = target
@@ -489,14 +489,14 @@ class HybridScheduler:
             available = real_resources(ray.available_resources())
             if not fits(demand, available):
                 why = describe_missing(demand, real_resources(ray.cluster_resources()), available)
-                self._decide(f"{source}: cannot raise {node_name} parallelism {g.active} -> {target}: "
+                self.decide(f"{source}: cannot raise {node_name} parallelism {g.active} -> {target}: "
                              f"{why} ({reason})", _kind(source, "refused"), node_name, f"{reason}: {why}")
                 return False
             pg = placement_group([dict(g.plan.bundle)] * need, strategy="PACK", name=self._pg_name(g.plan.name))
             ready, _ = ray.wait([pg.ready()], timeout=self.adjust_timeout_s)
             if not ready:
                 remove_placement_group(pg)
-                self._decide(f"{source}: cannot raise {node_name} parallelism {g.active} -> {target}: "
+                self.decide(f"{source}: cannot raise {node_name} parallelism {g.active} -> {target}: "
                              f"{need} more bundles not placed within {self.adjust_timeout_s:g}s ({reason})",
                              _kind(source, "refused"), node_name,
                              f"{reason}: {need} more bundles not placed within {self.adjust_timeout_s:g}s")
@@ -640,11 +640,8 @@ class HybridScheduler:
         return {int(k): str(v) for k, v in table.get("bundles_to_node_id", {}).items()}
 
     def decide(self, message: str, kind: DecisionKind, node: str, reason: str | None = None) -> None:
-        """A decision taken outside the scheduler (e.g. sequence parallelism turned off), logged as its own."""
-        self._decide(message, kind, node, reason)
-
-    def _decide(self, message: str, kind: DecisionKind, node: str, reason: str | None = None) -> None:
-        """Log a decision; `reason` defaults to the message without its "Scheduling decision: " prefix."""
+        """Log a decision, the scheduler's own or one taken beside it (sequence parallelism turned off);
+        `reason` defaults to the message without its "Scheduling decision: " prefix."""
         self.decisions.append(message)
         self.decision_log.append({"time": time.time(), "kind": kind, "node": node,
                                   "reason": reason if reason is not None else message.split(": ", 1)[-1],
