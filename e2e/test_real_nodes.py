@@ -24,7 +24,7 @@ from e2e.harness.controlplane import eventually
 from e2e.harness.hoststate import HostSnapshot, read_sysctl
 from e2e.harness.nodes import NODE_NAME, NodeNetwork, guard_rule
 from e2e.harness.operator import OperatorProcess
-from e2e.harness.realcluster import RealNodeCluster, with_host_runtime
+from e2e.harness.realcluster import RealNodeCluster, clean_after_dead_cluster, with_host_runtime
 from e2e.harness.realcluster import node_images as node_images_of
 from e2e.realnode_runs import MIN_FINAL_REWARD, TINY_GRPO, JobRun, require_real_nodes
 from hybridflow.k8s import contract, names
@@ -44,8 +44,12 @@ def node_images() -> tuple[dict[str, Path], str, str]:
 
 def test_teardown_restores_the_host(node_images: tuple[dict[str, Path], str, str],
                                     tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Up and down again: sysctls, iptables, fixed paths, cgroups and the bridge are as they were."""
+    """Up and down again: sysctls, iptables, fixed paths, cgroups and the bridge are as they were.
+
+    What a dead cluster left (a killed run's kubelet sysctls) is undone first: the host is compared with itself
+    as this cluster found it, not as another one left it."""
     archives, pause, _ = node_images
+    clean_after_dead_cluster()
     before = HostSnapshot.take()
     cluster = RealNodeCluster(tmp_path_factory.mktemp("real-teardown") / "run", archives, pause)
     cluster.start()
