@@ -77,7 +77,7 @@ def profile_hybridflow(job: Any, steps: int, warmup: int = 2) -> dict[str, Any]:
     try:
         for _ in range(30):
             t0 = time.perf_counter()
-            ray.get(host.ping.remote())
+            ray.get(host.policy_version.remote())
             rtt.append(time.perf_counter() - t0)
         marks = []
         for step in range(1, steps + 1):

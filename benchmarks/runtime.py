@@ -1,8 +1,9 @@
-"""Runtime benchmark: hybridflow, a naive Ray loop and TRL's GRPOTrainer on one tiny GRPO workload.
+"""Runtime benchmark: hybridflow, a naive Ray loop and TRL's GRPOTrainer on one GRPO workload per run.
 
-    python -m benchmarks.runtime            # 30 steps per system, 2 rounds: results/ and README.md
-    python -m benchmarks.runtime --quick    # smoke run: 4 steps, 1 round, written under runs/ only
-    python -m benchmarks.runtime --render   # redraw runtime.png and the README section from runtime.json
+    python -m benchmarks.runtime                    # the tiny workload: 30 steps per system, 2 rounds
+    python -m benchmarks.runtime --workload wide    # hidden 256, 4 layers, 32 response tokens
+    python -m benchmarks.runtime --quick            # smoke run: 4 steps, 1 round, written under runs/ only
+    python -m benchmarks.runtime --render           # redraw the plot and README section from the JSON
 
 Each system runs in a fresh child process, one after the other (hybridflow, naive Ray, TRL, then again),
 so memory and Ray sessions never mix; this process samples the child's whole process tree (driver, Ray's
@@ -20,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "tiny-grpo.yaml"
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "benchmarks" / "README.md"
-QUICK_OUT = ROOT / "runs" / "bench-runtime-quick"
 SYSTEMS = ("hybridflow", "naive_ray", "trl")
 LABELS = {"hybridflow": "hybridflow", "naive_ray": "naive Ray", "trl": "TRL GRPOTrainer"}
 WARMUP = 2
-BEGIN, END = "<!-- runtime-bench:begin -->", "<!-- runtime-bench:end -->"
-FORMAT = 1  # the layout of runtime.json; bump it when the layout changes (no readers for older ones are kept)
-TARGETS = {"ratio_vs_naive_ray": 1.5, "ratio_vs_trl": 1.0, "orchestration_overhead_frac": 0.05}
+FORMAT = 2  # the layout of runtime*.json; bump it when the layout changes (no readers for older ones are kept)
+TARGETS = {"ratio_vs_naive_ray": 2.0, "ratio_vs_trl": 1.2, "orchestration_overhead_frac": 0.03}
 OVERHEAD_DEFINITIONS = {
     "hybridflow": "its own metric orchestration_overhead_frac: 1 - worker compute on the critical path / step time",
     "naive_ray": "1 - (generate + slowest of the parallel reward/reference/old-log-prob calls + advantages "
@@ -47,32 +47,99 @@ OVERHEAD_DEFINITIONS = {
 }
 
 
+@dataclass(frozen=True)
+class Workload:
+    """examples/tiny-grpo.yaml, reshaped: a model directory made like the built-in one with `model` sizes
+    (hybridflow.data.tiny.ensure_tiny_model), and these prompts per step and response tokens."""
+
+    name: str
+    title: str
+    model: dict[str, int] = field(default_factory=dict)
+    batch_size: int | None = None
+    max_response_length: int | None = None
+
+    @property
+    def stem(self) -> str:
+        """runtime.json / runtime.png for the first workload, runtime-<name>.* for the others."""
+        return "runtime" if self.name == "tiny" else f"runtime-{self.name}"
+
+    @property
+    def markers(self) -> tuple[str, str]:
+        key = "runtime-bench" if self.name == "tiny" else f"runtime-bench-{self.name}"
+        return f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+
+
+WORKLOADS = {w.name: w for w in (
+    Workload("tiny", "the built-in tiny model (hidden 64, 2 layers), 4 response tokens: per-step overhead dominates"),
+    Workload("wide", "a tiny-task model of hidden 256 and 4 layers, 32 response tokens: compute dominates",
+             model={"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4},
+             batch_size=16, max_response_length=32),
+)}
+BEGIN, END = WORKLOADS["tiny"].markers
+
+
 def torch_threads() -> int:
-    """Threads per worker process; hybridflow's local Ray passes the same variable to its workers."""
-    return int(os.environ.get("HYBRIDFLOW_TORCH_THREADS", "1"))
+    """The cores every system gets: $HYBRIDFLOW_TORCH_THREADS, else all of this machine's."""
+    from hybridflow.workers.modeling import THREADS_ENV
+
+    return int(os.environ.get(THREADS_ENV) or os.cpu_count() or 1)
 
 
-def bench_job(steps: int, name: str) -> Any:
-    """examples/tiny-grpo.yaml with `steps` steps and no checkpoints (they are not part of a step)."""
+def thread_choices(system: str) -> list[int]:
+    """Torch threads per process to run `system` with; its fastest round is the one reported.
+
+    One process (hybridflow's co-located worker, TRL) is fastest on every core. The naive loop's processes
+    partly run at once (reference and old log-probs), and threads waiting on a core another process holds
+    spin: it runs with one thread per process and with every core per process.
+    """
+    cores = torch_threads()
+    return sorted({1, cores}) if system == "naive_ray" else [cores]
+
+
+def bench_job(steps: int, name: str, workload: Workload) -> Any:
+    """The workload's job with `steps` steps and no checkpoints or evaluation (they are not part of a step)."""
     from hybridflow.api import load_job
+    from hybridflow.data.tiny import ensure_tiny_model
 
     job = load_job(CONFIG)
     job.metadata.name = name
     job.spec.trainer.total_steps = steps
     job.spec.trainer.checkpoint.every = 0
     job.spec.trainer.resume = "never"
+    job.spec.trainer.eval_every = 0
+    job.spec.data.val = None
+    if workload.model:
+        job.spec.model.policy.path = str(ensure_tiny_model(**workload.model))
+    if workload.batch_size:
+        job.spec.data.batch_size = workload.batch_size
+    if workload.max_response_length:
+        job.spec.data.max_response_length = workload.max_response_length
     return job
 
 
-def start_local_ray() -> None:
-    """A fresh local Ray, started as hybridflow's init_ray(local=True) starts it.
+def with_threads(job: Any, threads: int) -> Any:
+    """The job's built-in graph with the actor's bundle (its process: actor, reference and reward) holding
+    `threads` CPUs, which its torch then uses (scheduler.placement.torch_threads)."""
+    from hybridflow.graph import builtin_graph
+
+    graph = builtin_graph(job.spec, "CPU")
+    graph.get("actor_rollout").resources["CPU"] = float(threads)
+    job.spec.graph = graph.to_spec()
+    return job
+
+
+def start_local_ray(threads: int | None = None) -> None:
+    """A fresh local Ray, started as hybridflow's init_ray(local=True) starts it; `threads`, when given, fixes
+    every worker's torch threads (the naive loop's role actors), else each takes its bundle's CPUs.
 
     address="local" so that a cluster someone else left running (ray start, or a test's Cluster, found
     through /tmp/ray/ray_current_cluster) is never joined instead.
     """
     import ray
 
-    env = {"HYBRIDFLOW_TORCH_THREADS": str(torch_threads()), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    from hybridflow.workers.modeling import THREADS_ENV
+
+    env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")} | ({THREADS_ENV: str(threads)} if threads else {})
     ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
              configure_logging=False, runtime_env={"env_vars": env})
 
@@ -80,27 +147,28 @@ def start_local_ray() -> None:
 # -- one system, in its own process -------------------------------------------------------------------
 
 
-def run_system(system: str, steps: int, result: Path) -> dict[str, Any]:
-    """Train `steps` steps with one system; records use hybridflow's metric names plus `tokens`."""
-    job = bench_job(steps, f"bench-{system.replace('_', '-')}")
+def run_system(system: str, steps: int, result: Path, workload: Workload, threads: int) -> dict[str, Any]:
+    """Train `steps` steps with one system, `threads` torch threads per process; records use hybridflow's
+    metric names plus `tokens`."""
+    job = bench_job(steps, f"bench-{system.replace('_', '-')}", workload)
     t0 = time.perf_counter()
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"torch_threads": threads}
     if system == "trl":
         from benchmarks.trl_grpo import run_trl
 
-        out = run_trl(job.spec, steps, torch_threads())
+        out = run_trl(job.spec, steps, threads)
         records = out.pop("records")
-        extra = out
+        extra |= out
     else:
         import ray
 
-        start_local_ray()
+        start_local_ray(threads if system == "naive_ray" else None)
         try:
             if system == "hybridflow":
                 from hybridflow.driver import run_training
 
                 metrics = result.with_name(f"{result.stem}-metrics.jsonl")
-                run_training(job, str(metrics))
+                run_training(with_threads(job, threads), str(metrics))
                 records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
                 for r in records:
                     r["tokens"] = r["tokens_per_s"] * r["timing/step"]
@@ -108,7 +176,7 @@ def run_system(system: str, steps: int, result: Path) -> dict[str, Any]:
             elif system == "profile":
                 from benchmarks.profile_hybridflow import profile_hybridflow
 
-                return {"system": system, "profile": profile_hybridflow(job, steps, WARMUP),
+                return {"system": system, "profile": profile_hybridflow(with_threads(job, threads), steps, WARMUP),
                         "wall_s": time.perf_counter() - t0}
             elif system == "naive_ray":
                 from benchmarks.naive_ray import run_naive
@@ -136,11 +204,12 @@ def process_label(proc: psutil.Process) -> str:
     return f"{name} {scripts[0]}" if name.startswith("python") and scripts else name
 
 
-def launch(system: str, steps: int, workdir: Path, timeout_s: float, tag: str = "", tries: int = 2) -> dict[str, Any]:
+def launch(system: str, steps: int, workdir: Path, timeout_s: float, workload: Workload, threads: int,
+           tag: str = "", tries: int = 2) -> dict[str, Any]:
     """`launch_once`, tried again when it fails (Ray's start-up can time out on a loaded machine)."""
     for attempt in range(1, tries + 1):
         try:
-            return launch_once(system, steps, workdir, timeout_s, tag)
+            return launch_once(system, steps, workdir, timeout_s, workload, threads, tag)
         except RuntimeError as e:
             if attempt == tries:
                 raise
@@ -148,14 +217,15 @@ def launch(system: str, steps: int, workdir: Path, timeout_s: float, tag: str = 
     raise AssertionError("unreachable")
 
 
-def launch_once(system: str, steps: int, workdir: Path, timeout_s: float, tag: str = "") -> dict[str, Any]:
+def launch_once(system: str, steps: int, workdir: Path, timeout_s: float, workload: Workload, threads: int,
+                tag: str = "") -> dict[str, Any]:
     """Run one system in a child process; returns its raw result plus peak RSS and load averages."""
-    name = f"{system}{tag}"
+    name = f"{workload.name}-{system}{tag}-t{threads}"
     result_path = workdir / f"{name}.json"
     log_path = workdir / f"{name}.log"
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.runtime", "--worker", system, "--steps", str(steps),
-           "--result", str(result_path)]
+           "--workload", workload.name, "--threads", str(threads), "--result", str(result_path)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     load_before = os.getloadavg()
     with log_path.open("w") as log:
@@ -201,11 +271,12 @@ def summarise(raws: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Headline figures from the least-disturbed round (lowest median step time), after warm-up.
 
     Other processes on a shared machine only ever add time, and every system gets the same number of
-    rounds; each round's figures and the figures pooled over all rounds are kept beside the headline.
+    rounds; each round's figures and the figures pooled over all rounds with that round's threads are kept
+    beside the headline.
     """
     measured = [raw["records"][warmup:] or raw["records"] for raw in raws]
     per_round = [_figures(m) | {"load_avg_1min_at_start": raw["load_avg_before"][0], "wall_s": raw["wall_s"],
-                                "peak_rss_mib": raw["peak_rss_bytes"] / 2**20}
+                                "peak_rss_mib": raw["peak_rss_bytes"] / 2**20, "torch_threads": raw["torch_threads"]}
                  for raw, m in zip(raws, measured, strict=True)]
     best = min(range(len(raws)), key=lambda i: per_round[i]["median_step_s"])
     raw, recs = raws[best], measured[best]
@@ -225,7 +296,8 @@ def summarise(raws: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "reward_end": sum(rewards[-head:]) / head,
         "median_timings_s": {k: _median([r[k] for r in recs if k in r]) for k in timing_keys},
         "rounds": per_round,
-        "pooled": _figures([r for m in measured for r in m]),
+        "pooled": _figures([r for x, m in zip(raws, measured, strict=True) for r in m
+                            if x["torch_threads"] == raw["torch_threads"]]),
         "curves": {"step_s": [[r["timing/step"] for r in x["records"]] for x in raws],
                    "reward_mean": rewards,
                    "tokens_per_s": [[r["tokens"] / r["timing/step"] for r in x["records"]] for x in raws]},
@@ -251,22 +323,24 @@ def machine() -> dict[str, Any]:
             "gpu": "none (CPU run)"}
 
 
-def bench_config(steps: int, warmup: int) -> dict[str, Any]:
-    spec = bench_job(steps, "bench").spec
+def bench_config(steps: int, warmup: int, workload: Workload) -> dict[str, Any]:
+    spec = bench_job(steps, "bench", workload).spec
     return {
-        "job": str(CONFIG.relative_to(ROOT)), "algorithm": spec.algorithm.name, "model": spec.model.policy.path,
+        "job": str(CONFIG.relative_to(ROOT)), "workload": workload.name, "workload_title": workload.title,
+        "model_sizes": workload.model or "built-in", "algorithm": spec.algorithm.name,
+        "model": Path(spec.model.policy.path).name,
         "task": spec.data.train, "prompts_per_step": spec.data.batch_size,
         "samples_per_prompt": spec.rollout.samples_per_prompt,
         "sequences_per_step": spec.data.batch_size * spec.rollout.samples_per_prompt,
         "max_prompt_length": spec.data.max_prompt_length, "max_response_length": spec.data.max_response_length,
         "mini_batch_size": spec.algorithm.mini_batch_size, "ppo_epochs": spec.algorithm.ppo_epochs,
         "lr": spec.trainer.actor_lr, "kl_coef": spec.algorithm.kl_penalty.coef, "temperature": spec.rollout.temperature,
-        "steps": steps, "warmup_steps_excluded": warmup, "torch_threads_per_process": torch_threads(),
+        "steps": steps, "warmup_steps_excluded": warmup, "cores": torch_threads(),
         "rollout_engine": spec.rollout.engine, "trl_use_vllm": False,
     }
 
 
-def build_report(summaries: dict[str, dict[str, Any]], steps: int, warmup: int) -> dict[str, Any]:
+def build_report(summaries: dict[str, dict[str, Any]], steps: int, warmup: int, workload: Workload) -> dict[str, Any]:
     """Top-level ratios and targets beside the per-system details."""
 
     def ratio(a: str, b: str, key: str = "tokens_per_s") -> float | None:
@@ -299,7 +373,7 @@ def build_report(summaries: dict[str, dict[str, Any]], steps: int, warmup: int) 
     report.update(
         targets=met,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        config=bench_config(steps, warmup),
+        config=bench_config(steps, warmup, workload),
         versions=versions(),
         machine=machine(),
         systems=summaries,
@@ -315,13 +389,16 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 def markdown(report: dict[str, Any], text: Text | None = None) -> str:
-    """The runtime section of README.md, markers included: table, ratios against targets, configuration."""
+    """The workload's runtime section of README.md, markers included: table, ratios against targets,
+    configuration; the first workload's section also explains the benchmark."""
     text = text or Text("runtime.md")
+    workload = WORKLOADS[report["config"]["workload"]]
     rows = []
     for name, s in report["systems"].items():
-        each = " / ".join(f"{r['median_step_s']:.3f}" for r in s["rounds"])
+        each = " / ".join(f"{r['median_step_s']:.3f} ({r['torch_threads']})" for r in s["rounds"])
         rows.append(
-            f"| {LABELS[name]} | {s['tokens_per_s']:.0f} | {s['median_step_s']:.3f} | {s['p90_step_s']:.3f} "
+            f"| {LABELS[name]} | {s['torch_threads']} | {s['tokens_per_s']:.0f} | {s['median_step_s']:.3f} "
+            f"| {s['p90_step_s']:.3f} "
             f"| {_fmt(s['orchestration_overhead_frac'], '.1%')} | {s['peak_rss_mib']:.0f} | {s['peak_processes']} "
             f"| {s['reward_start']:.3f} → {s['reward_end']:.3f} | {each} |"
         )
@@ -343,6 +420,10 @@ def markdown(report: dict[str, Any], text: Text | None = None) -> str:
             bound = per["naive_ray"][0] / (per["hybridflow"][0] * (1 - per["hybridflow"][1]))
             reading += "\n" + text("reading_bound", bound=f"{bound:.2f}")
         paragraphs.append(reading)
+    parts = {n: {k.removeprefix("timing/"): t for k, t in s["median_timings_s"].items()
+                 if t is not None and k != "timing/rollout"} for n, s in report["systems"].items()}
+    paragraphs.append(text("compute", parts="; ".join(
+        f"{LABELS[n]}: " + ", ".join(f"{k} {t * 1e3:.0f}" for k, t in ts.items()) for n, ts in parts.items())))
     prof = report.get("hybridflow_step_breakdown")
     if prof:
         paragraphs.append(text(
@@ -351,14 +432,18 @@ def markdown(report: dict[str, Any], text: Text | None = None) -> str:
             call_ms=f"{prof['actor_call_round_trip_ms']:.2f}", sum_ms=f"{prof['segments_sum_ms']:.2f}",
             rows="\n".join(f"| {k} | {v:.2f} |" for k, v in prof["segments_ms"].items())))
     body = text(
-        "readme", created=report["created"], steps=c["steps"], rounds=c["rounds"], warmup=c["warmup_steps_excluded"],
+        "readme", intro=text("intro") + "\n\n" if workload.name == "tiny" else "", workload=workload.name,
+        workload_title=workload.title, model=c["model"], created=report["created"], steps=c["steps"],
+        rounds=c["rounds"], warmup=c["warmup_steps_excluded"],
         prompts=c["prompts_per_step"], samples=c["samples_per_prompt"], sequences=c["sequences_per_step"],
         max_response=c["max_response_length"], minibatch=c["mini_batch_size"], lr=f"{c['lr']:g}",
-        threads=c["torch_threads_per_process"], cpus=m["cpus"], memory=m["memory_gib"], gpu=m["gpu"], loads=loads,
+        cores=c["cores"], cpus=m["cpus"], memory=m["memory_gib"], gpu=m["gpu"], loads=loads,
         torch=v["torch"], ray=v["ray"], transformers=v["transformers"], trl=v["trl"], rows="\n".join(rows),
         checks="\n".join(checks), pooled_naive=_fmt(report["ratio_vs_naive_ray_pooled"], ".2f"),
-        pooled_trl=_fmt(report["ratio_vs_trl_pooled"], ".2f"), paragraphs="".join("\n\n" + p for p in paragraphs))
-    return f"{BEGIN}\n{body}\n{END}"
+        pooled_trl=_fmt(report["ratio_vs_trl_pooled"], ".2f"), paragraphs="".join("\n\n" + p for p in paragraphs),
+        png=f"{workload.stem}.png")
+    begin, end = workload.markers
+    return f"{begin}\n{body}\n{end}"
 
 
 def plot(report: dict[str, Any], out: Path) -> Path:
@@ -412,8 +497,8 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     ax.set_ylim(0, 1.3 * max(systems[n]["median_step_s"] for n in names))
     ax.legend(loc="upper left", ncols=2)
     ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"{report['config']['job']}: {report['config']['sequences_per_step']} sequences/step, "
-                 f"{report['machine']['cpus']} CPUs")
+    fig.suptitle(f"{report['config']['workload']} workload: {report['config']['sequences_per_step']} sequences/step, "
+                 f"{report['config']['max_response_length']} response tokens max, {report['machine']['cpus']} CPUs")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
@@ -427,6 +512,8 @@ def plot(report: dict[str, Any], out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.runtime", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="all", choices=("all", *WORKLOADS),
+                   help="which workload (default: all, one after the other)")
     p.add_argument("--steps", type=int, default=30, help="RL steps per system and round (default 30)")
     p.add_argument("--rounds", type=int, default=2,
                    help="run the systems in turn this many times and pool the steps (default 2): "
@@ -434,27 +521,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: 4 steps, 1 round, outputs under runs/ only")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--no-profile", action="store_true", help="skip the breakdown of hybridflow's step")
-    p.add_argument("--out-dir", type=Path, help="where runtime.json and runtime.png go (default benchmarks/results)")
-    p.add_argument("--readme", type=Path, help="Markdown file whose generated block is updated")
+    p.add_argument("--out-dir", type=Path, help="where runtime*.json and runtime*.png go (default benchmarks/results)")
+    p.add_argument("--readme", type=Path, help="Markdown file whose generated blocks are updated")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per system and round")
-    p.add_argument("--render", action="store_true", help="only redraw the plot and README section from runtime.json")
+    p.add_argument("--render", action="store_true", help="only redraw the plots and README sections from the JSON")
     p.add_argument("--worker", choices=(*SYSTEMS, "profile"), help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     steps, rounds = (4, 1) if args.quick else (args.steps, args.rounds)
     if steps <= WARMUP:
         p.error(f"--steps must exceed the {WARMUP} warm-up steps")
+    workloads = list(WORKLOADS.values()) if args.workload == "all" else [WORKLOADS[args.workload]]
     if args.worker:
-        raw = run_system(args.worker, steps, args.result)
+        raw = run_system(args.worker, steps, args.result, workloads[0], args.threads)
         args.result.write_text(json.dumps(raw))
         return 0
-    out_dir = args.out_dir or (QUICK_OUT if args.quick else RESULTS)
+    out_dir = args.out_dir or (ROOT / "runs" / "bench-runtime-quick" if args.quick else RESULTS)
     readme = args.readme or (None if args.quick else README)
     if args.render:
-        report = json.loads((out_dir / "runtime.json").read_text())
-        if report.get("format") != FORMAT:
-            p.error(f"{out_dir / 'runtime.json'}: results format {report.get('format')!r}, this code reads {FORMAT}")
-        write_outputs(report, out_dir, readme)
+        for workload in workloads:
+            path = out_dir / f"{workload.stem}.json"
+            report = json.loads(path.read_text())
+            if report.get("format") != FORMAT:
+                p.error(f"{path}: results format {report.get('format')!r}, this code reads {FORMAT}")
+            write_outputs(report, out_dir, readme)
         return 0
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = sorted(set(systems) - set(SYSTEMS))
@@ -462,42 +553,55 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
     workdir = ROOT / "runs" / ("bench-runtime-quick" if args.quick else "bench-runtime")
     workdir.mkdir(parents=True, exist_ok=True)
+    for workload in workloads:
+        report = bench_workload(workload, systems, steps, rounds, workdir, args.timeout, not args.no_profile)
+        write_outputs(report, out_dir, readme)
+        print(json.dumps({k: report[k] for k in ("ratio_vs_naive_ray", "ratio_vs_trl", "orchestration_overhead_frac")}))
+        print(f"[bench] {workload.name} done in {report['bench_wall_s']:.0f} s")
+    return 0
+
+
+def bench_workload(workload: Workload, systems: list[str], steps: int, rounds: int, workdir: Path,
+                   timeout_s: float, profile: bool) -> dict[str, Any]:
+    """Every system on one workload, `rounds` times in turn; the report of that workload."""
     from hybridflow.data.tiny import ensure_tiny_model
 
-    ensure_tiny_model()
+    ensure_tiny_model(**workload.model)  # made once here, not inside a timed run
     t_start = time.perf_counter()
     raws: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for r in range(rounds):
         for system in systems:
-            print(f"[bench] round {r + 1}/{rounds}: {LABELS[system]}, {steps} steps ...", flush=True)
-            raws[system].append(launch(system, steps, workdir, args.timeout, f"-{r + 1}"))
-            s = summarise(raws[system][-1:], WARMUP)
-            print(f"[bench]   {s['tokens_per_s']:.0f} tokens/s, median step {s['median_step_s']:.3f} s, "
-                  f"overhead {_fmt(s['orchestration_overhead_frac'], '.1%')}, peak RSS {s['peak_rss_mib']:.0f} MiB, "
-                  f"wall {s['rounds'][0]['wall_s']:.0f} s", flush=True)
+            for threads in thread_choices(system):
+                print(f"[bench] {workload.name}, round {r + 1}/{rounds}: {LABELS[system]}, {threads} thread(s), "
+                      f"{steps} steps ...", flush=True)
+                raws[system].append(launch(system, steps, workdir, timeout_s, workload, threads, f"-{r + 1}"))
+                s = summarise(raws[system][-1:], WARMUP)
+                print(f"[bench]   {s['tokens_per_s']:.0f} tokens/s, median step {s['median_step_s']:.3f} s, "
+                      f"overhead {_fmt(s['orchestration_overhead_frac'], '.1%')}, "
+                      f"peak RSS {s['peak_rss_mib']:.0f} MiB, wall {s['rounds'][0]['wall_s']:.0f} s", flush=True)
     summaries = {s: summarise(raws[s], WARMUP) for s in systems}
-    report = {"format": FORMAT, **build_report(summaries, steps, WARMUP)}
+    report = {"format": FORMAT, **build_report(summaries, steps, WARMUP, workload)}
     report["config"]["rounds"] = rounds
-    if "hybridflow" in systems and not args.no_profile:
+    if "hybridflow" in systems and profile:
         print(f"[bench] breakdown of hybridflow's step, {max(steps, 12)} steps ...", flush=True)
         try:
-            report["hybridflow_step_breakdown"] = launch("profile", max(steps, 12), workdir, args.timeout)["profile"]
+            report["hybridflow_step_breakdown"] = launch("profile", max(steps, 12), workdir, timeout_s, workload,
+                                                         thread_choices("hybridflow")[0])["profile"]
         except RuntimeError as e:
             print(f"[bench] the breakdown failed, writing the rest: {e}", flush=True)
     report["bench_wall_s"] = round(time.perf_counter() - t_start, 1)
-    write_outputs(report, out_dir, readme)
-    print(json.dumps({k: report[k] for k in ("ratio_vs_naive_ray", "ratio_vs_trl", "orchestration_overhead_frac")}))
-    print(f"[bench] done in {report['bench_wall_s']:.0f} s")
-    return 0
+    return report
 
 
 def write_outputs(report: dict[str, Any], out_dir: Path, readme: Path | None) -> None:
+    workload = WORKLOADS[report["config"]["workload"]]
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "runtime.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out_dir / "runtime.png")
+    data, png = out_dir / f"{workload.stem}.json", out_dir / f"{workload.stem}.png"
+    data.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, png)
     if readme is not None:
-        write_section(readme, BEGIN, END, markdown(report))
-    print(f"[bench] wrote {out_dir / 'runtime.json'}, {out_dir / 'runtime.png'}" + (f", {readme}" if readme else ""))
+        write_section(readme, *workload.markers, markdown(report))
+    print(f"[bench] wrote {data}, {png}" + (f", {readme}" if readme else ""))
 
 
 if __name__ == "__main__":

@@ -26,10 +26,12 @@ def test_operator_section_is_rendered_from_operator_json() -> None:
     assert report.readme_block(summarise(raw)) == section(report.BEGIN, report.END)
 
 
-def test_runtime_section_is_rendered_from_runtime_json() -> None:
-    results = json.loads((RESULTS / "runtime.json").read_text())
-    assert results["format"] == runtime.FORMAT
-    assert runtime.markdown(results) == section(runtime.BEGIN, runtime.END)
+@pytest.mark.parametrize("workload", list(runtime.WORKLOADS.values()), ids=list(runtime.WORKLOADS))
+def test_runtime_section_is_rendered_from_runtime_json(workload: runtime.Workload) -> None:
+    results = json.loads((RESULTS / f"{workload.stem}.json").read_text())
+    assert results["format"] == runtime.FORMAT and results["config"]["workload"] == workload.name
+    assert runtime.markdown(results) == section(*workload.markers)
+    assert (RESULTS / f"{workload.stem}.png").is_file()
 
 
 def test_weight_sync_section_is_rendered_from_weight_sync_json() -> None:

@@ -4,6 +4,7 @@ what leaves a process, and backpressure that fires in a job with the default wat
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import ray
 import yaml
 
 from hybridflow.api import parse_job
+from hybridflow.data.prompts import load_prompts
 from hybridflow.scheduler.edges import EdgeSizeError
 from hybridflow.trainer import Trainer
 from tests.conftest import EXAMPLES, ROOT
@@ -94,3 +96,23 @@ def test_a_batch_over_max_size_bytes_stops_the_step_naming_the_edge(local_ray: N
     assert message.startswith("edge actor_rollout->reward: a batch of ")
     assert "bytes is over its maxSizeBytes 1000" in message
     print("refused:", message)
+
+
+def test_evaluation_batches_cross_the_reward_edge_checked_and_counted(local_ray: None, tmp_path: Path) -> None:
+    """An evaluation's chunks reach a reward in another process through the same edge as training's, held to
+    its maxSizeBytes before they leave the actor's process."""
+    doc = remote_reward_job(tmp_path, 1)
+    spec = doc["spec"]
+    spec["reward"]["function"] = "builtin:tiny_task"
+    spec["data"]["val"] = "builtin:tiny_task"
+    spec["trainer"]["evalEvery"] = 1
+    job = parse_job(doc)
+    chunks = math.ceil(len(load_prompts(job.spec, "val")) * job.spec.trainer.eval.samples_per_prompt / 16)
+    result, status = train(doc, tmp_path)
+    reward = status["edges"]["actor_rollout->reward"]
+    assert reward["batches"] == 4 + chunks  # one step's four micro-batches, then the evaluation's
+    assert 0.0 <= result["records"][-1]["val/reward_mean"] <= 1.0
+    (edge,) = [e for e in spec["graph"]["edges"] if e["dst"] == "reward"]
+    edge["maxSizeBytes"] = reward["bytes_max"] - 1  # the largest of them, training's or the evaluation's, is over
+    with pytest.raises(EdgeSizeError, match="edge actor_rollout->reward: a batch of"):
+        train(doc, tmp_path / "limited")

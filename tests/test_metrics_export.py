@@ -43,14 +43,14 @@ def test_latency_samples_since_a_count_are_the_new_ones_up_to_the_window() -> No
     assert s.since(0) == [3.0, 4.0, 5.0, 6.0]  # older samples left the window
 
 
-def test_queue_peak_is_the_longest_since_the_last_look_and_bytes_are_counted_per_batch() -> None:
+def test_queue_peak_counts_sequences_since_the_last_look_and_bytes_are_counted_per_batch() -> None:
     ch = EdgeChannel("a->b", high_watermark=2, max_size_bytes=200, finished=lambda refs: set())
-    for ref in ("r1", "r2", "r3"):
-        ch.put(ref)  # type: ignore[arg-type]
-    assert ch.take_peak() == 3
-    assert ch.take_peak() == 3  # still three waiting
+    for ref, sequences in (("r1", 8), ("r2", 8), ("r3", 4)):
+        ch.put(ref, sequences)  # type: ignore[arg-type]
+    assert ch.take_peak() == 20
+    assert ch.take_peak() == 20  # still twenty queued
     ch._items.clear()  # as a drain leaves it
-    assert ch.take_peak() == 3 and ch.take_peak() == 0
+    assert ch.take_peak() == 20 and ch.take_peak() == 0
     ch.record_bytes(60)
     ch.record_bytes(160)
     assert ch.bytes_total == 220 and ch.sizes.count == 2

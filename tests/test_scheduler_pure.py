@@ -20,6 +20,7 @@ from hybridflow.scheduler.placement import (
     plan_placement,
     real_resources,
     stages_of,
+    torch_threads,
 )
 
 # -- backpressure --------------------------------------------------------------------------------
@@ -254,6 +255,17 @@ def test_empty_bundle_gets_a_sliver_of_cpu() -> None:
 def test_actor_asks_for_exactly_its_bundle() -> None:
     assert actor_options({"GPU": 1.0, "node_a": 1.0}) == {"num_cpus": 0.0, "num_gpus": 1.0,
                                                           "resources": {"node_a": 1.0}}
+
+
+def test_torch_threads_are_the_bundles_whole_cpus() -> None:
+    g = DataflowGraph("t")
+    actor = g.node(Node("actor", "actor_rollout", {"CPU": 2}, 1))
+    critic = g.node(Node("critic", "critic", {"CPU": 1.5}, 1))
+    g.edge(Edge(actor, critic, co_locate=True))
+    (group,) = g.colocation_groups()
+    assert torch_threads(bundle_for(group)) == 3
+    assert torch_threads({"GPU": 0.5}) == 1 and torch_threads({"CPU": 0.25}) == 1
+    assert torch_threads({"CPU": 0.999999999999}) == 1 and torch_threads({"CPU": 4.0, "GPU": 1.0}) == 4
 
 
 def test_resource_arithmetic() -> None:

@@ -20,6 +20,7 @@ from hybridflow.checkpoint import Superseded, claim
 from hybridflow.checkpoint import complete_steps as checkpoint_steps
 from hybridflow.driver import init_ray, run_training
 from hybridflow.trainer import Trainer
+from hybridflow.workers.modeling import THREADS_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -203,6 +204,8 @@ def test_ppo_with_the_critic_in_the_actors_process_runs_each_step_in_one_call(ex
     try:
         assert trainer.plan.fused and trainer.plan.colocated == ("reward", "reference", "values", "old_log_probs")
         result = trainer.fit()
+        (worker,) = trainer.scheduler.get_status()["nodes"]["actor"]["workers"]
+        assert worker["torch_threads"] == int(os.environ.get(THREADS_ENV) or 2)  # actor's CPU + critic's
     finally:
         trainer.shutdown()
     recs = result["records"]

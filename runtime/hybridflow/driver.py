@@ -13,6 +13,7 @@ import ray
 
 from hybridflow.api.spec import RLTrainingJob
 from hybridflow.control.names import RAY_NAMESPACE, controller_name, job_ref
+from hybridflow.workers.modeling import THREADS_ENV
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -38,8 +39,8 @@ def init_ray(local: bool, num_cpus: int | None = None, metrics_port: int | None 
         port = metrics_port or int(os.environ.get(METRICS_PORT_ENV) or 0) or None
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
                  _metrics_export_port=port,
-                 runtime_env={"env_vars": {"HYBRIDFLOW_TORCH_THREADS": os.environ.get("HYBRIDFLOW_TORCH_THREADS", "1"),
-                                           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
+                 runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")} | (
+                     {THREADS_ENV: threads} if (threads := os.environ.get(THREADS_ENV)) else {})})
     else:
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), configure_logging=False)
 

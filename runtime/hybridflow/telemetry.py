@@ -113,7 +113,7 @@ def _metrics() -> _Metrics:
         edge_bytes=Counter(f"{PREFIX}edge_transfer_bytes_total",
                            "Bytes sent over a data edge through the object store.", (*job, "edge")),
         edge_queue=Gauge(f"{PREFIX}edge_queue_depth",
-                         "Most batches waiting on a data edge at once during the last step.", (*job, "edge")),
+                         "Most sequences queued on a data edge at once during the last step.", (*job, "edge")),
         parallelism=Gauge(f"{PREFIX}node_parallelism", "Instances serving a graph node now.", (*job, "node")),
         decisions=Counter(
             f"{PREFIX}scheduler_decisions_total",

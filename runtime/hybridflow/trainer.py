@@ -37,7 +37,7 @@ from hybridflow.scheduler import HybridScheduler
 from hybridflow.scheduler.group import HostGroup
 from hybridflow.scheduler.head import HeadWatch
 from hybridflow.scheduler.hybrid import WORKER_LOST
-from hybridflow.scheduler.placement import pin_to_pools
+from hybridflow.scheduler.placement import bundle_for, pin_to_pools, torch_threads
 from hybridflow.step import PhaseResult, UpdateResult, run_step, step_record
 from hybridflow.telemetry import StepExporter
 from hybridflow.trackers import TRACKERS, TrackerSet, TrackerUnavailable, missing_extras, open_trackers
@@ -138,7 +138,8 @@ class Trainer:
 
         def host_kwargs(group, instance: int) -> dict[str, Any]:
             return {"spec": spec_json, "roles": {n.name: n.role for n in group.nodes}, "instance": instance,
-                    "seed": seed, "use_gpu": use_gpu, "job": self.job.metadata.name}
+                    "seed": seed, "use_gpu": use_gpu, "job": self.job.metadata.name,
+                    "threads": torch_threads(bundle_for(group))}
 
         self.scheduler.start(WorkerHost, host_kwargs)
         if self.spec.trainer.checkpoint.every:
@@ -373,9 +374,13 @@ class Trainer:
         dealt = self.actor.deal("evaluate", [(rows[a:b], prompt_ids[a:b], local, eval_seed(seed, step, i))
                                              for i, (a, b) in enumerate(chunks)])
         refs = [ref for _, ref in dealt]
-        remote = [] if local else [self.groups[r.node.name].next("run", ref, "reward")
-                                   for ref in refs for r in self.plan.remote if r.step.name == "reward"]
         parts: list[RolloutBatch] = ray.get(refs)
+        remote = []
+        for r in [] if local else [r for r in self.plan.remote if r.step.name == "reward"]:
+            channel = self.scheduler.channel(r.edge)
+            for ref, part in zip(refs, parts, strict=True):  # held to the edge's limit before it leaves
+                channel.record_bytes(part.nbytes())
+                remote.append(self.groups[r.node.name].next("run", ref, "reward"))
         results: list[RolloutBatch] | list[PhaseResult] = parts if local else ray.get(remote)
         scores = torch.cat([res.tensors["scores"] for res in results])
         lengths = torch.cat([part.response_mask.sum(-1) for part in parts])

@@ -74,12 +74,17 @@ def _tokenizer():  # -> PreTrainedTokenizerFast
     )
 
 
-def ensure_tiny_model(seed: int = 0) -> Path:
-    """Create (once) and return a directory holding the tiny model and tokenizer in HF format.
+def ensure_tiny_model(seed: int = 0, **sizes: int) -> Path:
+    """Create (once) and return a directory holding the tiny model and tokenizer in HF format; `sizes` replace
+    entries of TINY_CONFIG (hidden_size=256, num_hidden_layers=4: a larger model for the same task).
 
     Loading it goes through from_pretrained like any real model directory.
     """
-    key = hashlib.sha256(json.dumps([TINY_CONFIG, VOCAB, seed], sort_keys=True).encode()).hexdigest()[:12]
+    unknown = sorted(set(sizes) - set(TINY_CONFIG))
+    if unknown:
+        raise ValueError(f"not sizes of the tiny model: {', '.join(unknown)}; allowed: {', '.join(TINY_CONFIG)}")
+    config = TINY_CONFIG | sizes
+    key = hashlib.sha256(json.dumps([config, VOCAB, seed], sort_keys=True).encode()).hexdigest()[:12]
     path = cache_root() / "models" / f"tiny-{key}"
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
         return path
@@ -87,7 +92,6 @@ def ensure_tiny_model(seed: int = 0) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    config = dict(TINY_CONFIG)
     cfg = AutoConfig.for_model(str(config.pop("model_type")), **config)
     cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = 0, 1, 2
     # The caller's random state stays as it was: a process that creates the model (a fresh pod) must go on to

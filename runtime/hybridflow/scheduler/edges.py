@@ -162,7 +162,7 @@ class EdgeChannel:
             done = self._finished([it.ref for it in self._items])
             self._backlog = max(self._backlog, sum(it.sequences for it in self._items if it.ref not in done))
         self._items.append(_Item(ref, self._clock(), sequences))
-        self._peak = max(self._peak, len(self._items))
+        self._peak = max(self._peak, self.queued())
 
     def take_backlog(self) -> int:
         """The most sequences a batch put since the last call found still waiting for the consumer."""
@@ -172,10 +172,14 @@ class EdgeChannel:
     def pending(self) -> int:
         return len(self._items)
 
+    def queued(self) -> int:
+        """Sequences put and not yet taken: the unit backpressure counts."""
+        return sum(it.sequences for it in self._items)
+
     def take_peak(self) -> int:
-        """The longest the queue was since the last call; the queue drains within a step, so a look at
-        `pending()` between steps would always see 0."""
-        peak, self._peak = self._peak, len(self._items)
+        """The most sequences queued at once since the last call; the queue drains within a step, so a look
+        at `queued()` between steps would always see 0."""
+        peak, self._peak = self._peak, self.queued()
         return peak
 
     def take_ready(self, timeout: float | None = None) -> list[Any]:

@@ -361,7 +361,7 @@ class HybridScheduler:
             workers = [] if g is None else [
                 {"instance": i, "node_id": s.info.get("node_id"), "ip": s.info.get("ip"), "pid": s.info.get("pid"),
                  "gpu_ids": list(s.info.get("gpu_ids", [])), "bundle": dict(g.plan.bundle), "actor": s.name,
-                 "memory": s.info.get("memory")}
+                 "torch_threads": s.info.get("torch_threads"), "memory": s.info.get("memory")}
                 for i, s in enumerate(g.slots[: g.active])
             ]
             nodes[n.name] = {

@@ -117,6 +117,12 @@ def bundle_for(group: ColocationGroup) -> dict[str, float]:
     return bundle or {"CPU": EMPTY_BUNDLE_CPU}
 
 
+def torch_threads(bundle: Mapping[str, float]) -> int:
+    """Threads a host's torch may use: the whole CPUs of its bundle, at least 1 (a GPU bundle asking for no
+    CPU still needs one to drive its device)."""
+    return max(1, math.floor(float(bundle.get("CPU", 0.0)) + 1e-9))
+
+
 def whole_gpus(bundle: Mapping[str, float]) -> bool:
     gpus = float(bundle.get("GPU", 0.0))
     return gpus >= 1 and float(gpus).is_integer()

@@ -29,11 +29,12 @@ from hybridflow.workers.reward import RewardWorker
 
 
 class WorkerHost:
-    """Holds one worker per role; `roles` maps graph node name -> role."""
+    """Holds one worker per role; `roles` maps graph node name -> role; torch runs `threads` threads
+    (scheduler.placement.torch_threads of the bundle)."""
 
     def __init__(self, spec: dict[str, Any], roles: dict[str, str], instance: int, seed: int = 0,
-                 use_gpu: bool = True, job: str = "") -> None:
-        prepare_process()
+                 use_gpu: bool = True, job: str = "", threads: int = 1) -> None:
+        self.threads = prepare_process(threads)
         self.spec = RLTrainingJobSpec.model_validate(spec)
         self.roles, self.instance, self.seed = dict(roles), instance, seed
         self.device = pick_device(use_gpu)
@@ -73,7 +74,8 @@ class WorkerHost:
         except ImportError:
             pass
         return {"node_id": node_id, "ip": socket.gethostbyname(socket.gethostname()), "pid": os.getpid(),
-                "gpu_ids": gpu_ids, "roles": self.roles, "device": str(self.device)}
+                "gpu_ids": gpu_ids, "roles": self.roles, "device": str(self.device),
+                "torch_threads": self.threads}
 
     def memory(self) -> dict[str, Any]:
         """This process's memory for the dashboard's heatmap, measured as the Prometheus gauge measures it."""

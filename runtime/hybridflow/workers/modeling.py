@@ -25,11 +25,17 @@ def pick_device(want_gpu: bool = True) -> torch.device:
     return torch.device("cuda") if want_gpu and torch.cuda.is_available() else torch.device("cpu")
 
 
-def prepare_process() -> None:
-    """Several workers share few cores: one thread each unless HYBRIDFLOW_TORCH_THREADS says otherwise;
-    and no per-load progress bars or load reports from transformers in the training log."""
-    torch.set_num_threads(int(os.environ.get("HYBRIDFLOW_TORCH_THREADS", "1")))
+THREADS_ENV = "HYBRIDFLOW_TORCH_THREADS"
+"""Set, it fixes every worker's torch threads whatever its bundle holds (tests on a busy machine, benchmarks)."""
+
+
+def prepare_process(threads: int = 1) -> int:
+    """torch's intra-op threads: `threads` (the CPUs of the worker's bundle) unless $HYBRIDFLOW_TORCH_THREADS
+    says otherwise; and no per-load progress bars or load reports from transformers in the training log.
+    Returns the threads in force."""
+    torch.set_num_threads(int(os.environ.get(THREADS_ENV) or threads))
     quiet_transformers()
+    return torch.get_num_threads()
 
 
 def quiet_transformers() -> None:
