@@ -378,11 +378,12 @@ def policy_from_checkpoint(directory: Path, spec: Any) -> Any:
     """The policy of a checkpoint directory as the runtime itself restores it: an actor worker, its state loaded."""
     import torch
 
-    from hybridflow.checkpoint import load_state
+    from hybridflow.checkpoint import load_state, training_dir
     from hybridflow.workers.actor import ActorRolloutWorker
 
     worker = ActorRolloutWorker(spec, torch.device("cpu"))
     worker.load_state_dict(load_state(directory / "actor_rollout_0.pt")["roles"]["actor_rollout"])
+    worker.load_training(str(training_dir(directory, "actor_rollout_0", "actor_rollout")))
     return worker.model
 
 

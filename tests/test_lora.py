@@ -9,8 +9,9 @@ import pytest
 import torch
 from peft import PeftModel
 
+from hybridflow import dcp
 from hybridflow.api import SpecError, parse_job
-from hybridflow.checkpoint import load_state
+from hybridflow.checkpoint import load_state, training_dir
 from hybridflow.data.tiny import TINY_CONFIG, VOCAB, ensure_tiny_model
 from hybridflow.graph import builtin_graph, reference_in_policy
 from hybridflow.plan import step_plan
@@ -19,6 +20,7 @@ from hybridflow.workers.footprint import training_footprint
 from hybridflow.workers.host import WorkerHost
 from hybridflow.workers.lora import TARGETS_FIELD, LoraTargetError, apply_lora, merged_weights, targets_problem
 from hybridflow.workers.modeling import load_causal_lm, load_policy, response_log_probs
+from hybridflow.workers.training import MODEL_PREFIX
 
 ROLES = {"actor_rollout": "actor_rollout", "reward_score": "reward", "reference": "reference"}
 CPU = torch.device("cpu")
@@ -124,10 +126,11 @@ def test_a_checkpoint_holds_the_adapters_only_and_resumes_exactly(example_doc, t
     first = host_of(doc)
     train(first, 2)
     first.save(str(tmp_path), "actor_rollout_0")
-    saved = load_state(tmp_path / "actor_rollout_0.pt")["roles"]["actor_rollout"]
-    assert saved["model"] and all(".lora_A." in k or ".lora_B." in k for k in saved["model"])
+    assert "model" not in load_state(tmp_path / "actor_rollout_0.pt")["roles"]["actor_rollout"]
+    saved = dcp.read_full(training_dir(tmp_path, "actor_rollout_0", "actor_rollout"), MODEL_PREFIX)
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
     trainable = {n for n, p in first.workers["actor_rollout"].model.named_parameters() if p.requires_grad}
-    assert len(saved["model"]) == len(trainable) == 2 * 5  # A and B of q_proj, v_proj (2 layers) and lm_head
+    assert set(saved) == trainable and len(trainable) == 2 * 5  # A and B of q_proj, v_proj (2 layers), lm_head
     went_on = train(first, 2)
     resumed = host_of(doc)  # after the first host has trained on: both draw from this process's RNG
     resumed.load(str(tmp_path), "actor_rollout_0")

@@ -159,8 +159,8 @@ def test_the_controller_checkpoint_loads_with_weights_only(tmp_path: Path) -> No
 
 
 def test_a_worker_checkpoint_loads_with_weights_only(example_doc, tmp_path: Path) -> None:
-    """The rank file (weights, version, shuffle generator, RNG) loads with weights_only; the training state
-    (fp32 weights, Adam's moments after a step) is DCP with a JSON index."""
+    """The rank file (version, shuffle generator, RNG) loads with weights_only; the training state (fp32
+    weights, Adam's moments after a step) is DCP with a JSON index, and the only copy of the weights."""
     from hybridflow import dcp
     from hybridflow.workers.host import WorkerHost
 
@@ -178,10 +178,12 @@ def test_a_worker_checkpoint_loads_with_weights_only(example_doc, tmp_path: Path
 
     loaded = torch.load(path, weights_only=True)
     actor = loaded["roles"]["actor_rollout"]
-    assert actor["model"] and isinstance(actor["shuffle"], torch.Tensor)
+    assert "model" not in actor and isinstance(actor["shuffle"], torch.Tensor)
     training = checkpoint.training_dir(tmp_path, "actor_rollout_0", "actor_rollout")
     index = json.loads((training / dcp.INDEX_FILE).read_text())
     assert index["tensors"], "the index is JSON"
+    weights = dcp.read_full(training, "model.")
+    assert weights.keys() == dict(host.workers["actor_rollout"].model.named_parameters()).keys()
     moments = dcp.read_full(training, "optim.")
     assert any(k.endswith(".exp_avg_sq") and v.abs().sum() > 0 for k, v in moments.items()), \
         "the optimizer's moments are part of the checkpoint"

@@ -36,6 +36,7 @@ from hybridflow.workers.modeling import (
     load_policy,
     load_policy_weights,
     load_tokenizer,
+    policy_weights,
 )
 
 METADATA_FILE = "hybridflow.json"
@@ -102,17 +103,31 @@ def checkpoint_job(directory: Path, config: str | None) -> RLTrainingJob:
         raise ExportError(f"CHECKPOINT: the saved job is not valid: {e.render()}") from None
 
 
-def checkpoint_policy(directory: Path) -> tuple[int, dict[str, torch.Tensor]]:
-    """(step, the policy's weights) from the first rank's file of the group that holds the policy."""
+def checkpoint_policy(directory: Path, job: RLTrainingJob,
+                      adapters: AdapterMode = "merge") -> tuple[int, dict[str, torch.Tensor]]:
+    """(step, the policy's weights as the actor holds them): the job's base policy with the trained weights of
+    the checkpoint's policy group (its DCP training state: fp32, cast to the policy's dtype) put into it."""
+    from hybridflow import dcp
+    from hybridflow.workers.training import MODEL_PREFIX, load_trained
+
     controller = checkpoint.load_state(directory / CONTROLLER_FILE)
     first_ranks = sorted(n for n in controller["world"] if n.rsplit("_", 1)[-1] == "0")
     for name in first_ranks:
         path = directory / f"{name}.pt"
-        if not path.is_file():
+        if not path.is_file() or POLICY_ROLE not in checkpoint.load_state(path)["roles"]:
             continue
-        roles = checkpoint.load_state(path)["roles"]
-        if POLICY_ROLE in roles:
-            return int(controller["step"]), roles[POLICY_ROLE]["model"]
+        trained = dcp.read_full(checkpoint.training_dir(directory, name, POLICY_ROLE), MODEL_PREFIX)
+        _kind(job.spec.model.policy.lora, adapters, is_adapter_state(trained), CLI)  # refuses a mismatch first
+        try:
+            model = load_policy(job.spec.model.policy, torch.device("cpu"))
+        except (ModelPathError, LoraTargetError) as e:
+            raise ExportError(f"{e} (in {CLI.config})") from None
+        try:
+            load_trained(model, trained)
+        except ValueError as e:
+            raise ExportError(f"spec.model.policy: the weights do not fit the job's policy ({CLI.config}): "
+                              f"{e}") from None
+        return int(controller["step"]), policy_weights(model)
     raise ExportError(f"CHECKPOINT: {directory} holds no policy weights (no rank file with the {POLICY_ROLE} role "
                       f"among {', '.join(first_ranks) or 'none'})")
 
@@ -122,7 +137,7 @@ def export_checkpoint(path: str | Path, to: str | Path, adapters: AdapterMode = 
     """`hybridflow export CHECKPOINT --to DIR`: the policy of a checkpoint (or the newest under a root)."""
     directory = find_checkpoint(path)
     job = checkpoint_job(directory, config)
-    step, weights = checkpoint_policy(directory)
+    step, weights = checkpoint_policy(directory, job, adapters)
     return export_policy(job, weights, step, to, adapters, overwrite=overwrite, source=str(directory), names=CLI)
 
 

@@ -155,8 +155,8 @@ class WorkerHost:
         return {r: w for r, w in self.workers.items() if hasattr(w, "state_dict")}
 
     def export_state(self, with_model: bool = True) -> dict[str, Any]:
-        """Weights, versions and RNG of this instance: what a new rank receives, and (without the weights but on
-        the first rank) a checkpoint's rank file. The optimizer's state travels only in checkpoints (`save`)."""
+        """Weights, versions and RNG of this instance: what a new rank receives, and (without the weights) a
+        checkpoint's rank file. The optimizer's state travels only in checkpoints (`save`)."""
         return {
             "roles": {r: w.state_dict(with_model) for r, w in self._trainable().items()},
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -174,15 +174,15 @@ class WorkerHost:
 
     def save(self, directory: str, name: str) -> str:
         """Write this instance's part of a checkpoint (nothing for stateless roles): directory/name.pt (versions,
-        RNG, and on the first rank the full weights, which `hybridflow export` reads) and each trained role's
-        training state, written together by the group's ranks (checkpoint.training_dir)."""
+        sampling order, RNG) and each trained role's training state, written together by the group's ranks
+        (checkpoint.training_dir): its weights are there once, which resume and `hybridflow export` read."""
         trainable = self._trainable()
         if not trainable:
             return ""
         for role, worker in trainable.items():  # first: a failure there is every rank's (DCP gathers them)
             worker.training.save(checkpoint.training_dir(directory, name, role))
         path = Path(directory) / f"{name}.pt"
-        checkpoint.save_state(self.export_state(with_model=distributed.rank() == 0), path)
+        checkpoint.save_state(self.export_state(with_model=False), path)
         return str(path)
 
     def load(self, directory: str, name: str) -> bool:

@@ -102,6 +102,20 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else t
 
 
+def load_trained(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy a checkpoint's trained weights (`RoleTraining.tensors`' `model.` part, prefix removed) into the
+    trainable parameters of a freshly loaded `model`, cast to their dtype: the weights the role's inference
+    copy held when the checkpoint was written. Both sides must name the same parameters."""
+    own = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    missing, unknown = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    if missing or unknown:
+        raise ValueError(f"the checkpoint's trained weights do not fit the model: missing {missing[:3]}, "
+                         f"unknown {unknown[:3]}")
+    with torch.no_grad():
+        for name, p in own.items():
+            p.copy_(tensors[name])
+
+
 @dataclass
 class Layout:
     """One built layout: `module` runs forward and backward, `optimizer` steps `params` (named as in the model)."""
