@@ -51,7 +51,19 @@ def test_the_store_keeps_one_target_per_group_and_can_be_put_back(tmp_path: Path
     assert json.loads((tmp_path / "ckpt" / "control.json").read_text())["targets"] == {}
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["control.json"], "a temporary file was left"
     store.clear()
-    assert store.read() == {"targets": {}, "history": []}
+    assert store.read() == {"targets": {}, "sequence_parallel_off": [], "history": []}
+
+
+def test_the_store_keeps_sequence_parallelism_off_beside_the_targets(tmp_path: Path) -> None:
+    store = TargetStore(tmp_path / "control.json")
+    store.record("critic", [], 2, 4, "grow")
+    before = store.record_sequence_parallel_off("critic", 2, "short prompts")
+    assert store.read()["sequence_parallel_off"] == ["critic"] and store.targets() == {"critic": 4}
+    last = store.read()["history"][-1]
+    assert (last["node"], last["kind"], last["old"], last["new"], last["reason"]) == (
+        "critic", "sequence_parallel", 2, 1, "short prompts")
+    store.write(before)  # a change that failed is put back
+    assert store.read()["sequence_parallel_off"] == [] and store.targets() == {"critic": 4}
 
 
 def test_status_text_shows_step_nodes_edges_and_the_last_decisions() -> None:

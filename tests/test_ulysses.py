@@ -228,14 +228,11 @@ def test_activation_memory_per_rank_halves(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_disable_ulysses_on_a_running_job(example_doc: Any, tmp_path: Path) -> None:
     """The built-in graph with SP=2 gives the critic two ranks that share each shard; disable_ulysses
-    applied at a step boundary turns them into two plain data-parallel ranks, and the job trains on."""
-    import threading
-
+    applied at a step boundary turns them into two plain data-parallel ranks, the job trains on, and a
+    controller started again on its checkpoint path leaves SP off."""
     import ray
 
-    from hybridflow.control import ControlError
     from hybridflow.driver import init_ray
-    from hybridflow.trainer import Trainer
 
     doc = ppo_doc(example_doc, 2, critic_node=False)
     doc["metadata"]["name"] = "sp-off"
@@ -243,6 +240,20 @@ def test_disable_ulysses_on_a_running_job(example_doc: Any, tmp_path: Path) -> N
     doc["spec"]["algorithm"]["miniBatchSize"] = 4
     doc["spec"]["trainer"].update(totalSteps=4, resume="never", checkpoint={"every": 0, "path": str(tmp_path / "c")})
     init_ray(local=True, num_cpus=4)
+    try:
+        _disable_and_restart(doc, tmp_path)
+    finally:
+        ray.shutdown()
+
+
+def _disable_and_restart(doc: dict[str, Any], tmp_path: Path) -> None:
+    import threading
+
+    import ray
+
+    from hybridflow.control import ControlError
+    from hybridflow.trainer import Trainer
+
     trainer = Trainer(parse_job(doc).model_dump(by_alias=True, mode="json"), str(tmp_path / "m.jsonl"))
     try:
         assert trainer.critic is not None and trainer.sp == 2
@@ -274,9 +285,21 @@ def test_disable_ulysses_on_a_running_job(example_doc: Any, tmp_path: Path) -> N
         with pytest.raises(ControlError, match="sequence parallelism is not on in this job"):
             trainer.control_disable_ulysses("again")
         assert trainer._parallelism_problem("critic", 3) is None
+        assert trainer.control_status()["manual"]["sequence_parallel_off"] == ["critic"]
     finally:
         trainer.shutdown()
-        ray.shutdown()
+    # a controller started again on the same checkpoint path (as Ray restarts one) keeps it off
+    doc["spec"]["trainer"]["resume"] = "auto"
+    again = Trainer(parse_job(doc).model_dump(by_alias=True, mode="json"), str(tmp_path / "m2.jsonl"))
+    try:
+        again.start()
+        assert again.sp == 1
+        assert ray.get([h.disable_sequence_parallel.remote() for h in again.critic.hosts]) == [False, False]
+        assert again.scheduler.decision_log[-1]["message"] == (
+            "Manual: critic sequence parallelism 2 -> off: 2 data-parallel ranks over whole sequences "
+            "(re-applied after a controller restart)")
+    finally:
+        again.shutdown()
 
 
 def test_cli_verb_fails_in_one_line_without_a_cluster() -> None:

@@ -149,6 +149,9 @@ class Trainer:
         if self.spec.trainer.resume == "never" and not _restarted_by_ray():
             self.steering.store.clear()  # a fresh run starts from the spec, as it ignores checkpoints
         self.steering.reapply()  # before a checkpoint loads: it may hold the stored parallelism's ranks
+        if self.critic is not None and self.sp > 1 and \
+                self.critic.node in self.steering.store.read()["sequence_parallel_off"]:
+            self._sequence_parallel_off("re-applied after a controller restart")
 
     def shutdown(self) -> None:
         if self.started:
@@ -192,6 +195,19 @@ class Trainer:
         if self.critic is None or self.sp == 1:
             raise ControlError("sequence parallelism is not on in this job (spec.model.critic.sequenceParallel "
                                "is 1, or it was turned off already)")
+        try:  # kept first, so that a restarted controller leaves it off too
+            before = self.steering.store.record_sequence_parallel_off(self.critic.node, self.sp, reason)
+        except OSError as e:
+            raise ControlError(f"cannot store the change in {self.steering.store.path}: {e}") from None
+        try:
+            return self._sequence_parallel_off(reason)
+        except BaseException:
+            self.steering.store.write(before)
+            raise
+
+    def _sequence_parallel_off(self, reason: str) -> dict[str, Any]:
+        """The critic's ranks go on over whole sequences, as plain data-parallel ranks; a Manual decision."""
+        assert self.critic is not None
         old, self.sp = self.sp, 1
         self.critic.call("disable_sequence_parallel")
         ranks = len(self.critic)

@@ -88,10 +88,9 @@ class Steering:
         return req.result
 
     def status(self) -> dict[str, Any]:
-        """What was asked for: the targets in force and the recent requests (oldest first)."""
-        saved = self.store.read()
-        return {"targets": saved["targets"], "history": saved["history"], "pending": len(self._pending),
-                "store": str(self.store.path)}
+        """What was asked for: the targets in force, the nodes with sequence parallelism off and the recent
+        requests (oldest first)."""
+        return self.store.read() | {"pending": len(self._pending), "store": str(self.store.path)}
 
     # -- the training loop's side -----------------------------------------------------------------
 
@@ -115,7 +114,8 @@ class Steering:
         """After the scheduler started: put back the stored targets (a restarted controller)."""
         with self._lock:
             saved = self.store.read()
-            reasons = {h["node"]: h.get("reason", "") for h in saved["history"]}
+            reasons = {h["node"]: h.get("reason", "") for h in saved["history"]
+                       if h.get("kind", "parallelism") == "parallelism"}
             changed = False
             for node, n in saved["targets"].items():
                 problem = self._problem(node, n)
