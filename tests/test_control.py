@@ -111,8 +111,8 @@ def test_scale_a_reward_node_up_and_down(run: TrainingThread, handle: JobHandle)
     assert parallelism(status)["reward"] == 2 and len(status["nodes"]["reward"]["workers"]) == 2
     assert "Manual: reward parallelism 1 -> 2 (more scoring)" in status["decisions"]
     assert status["manual"]["targets"] == {"reward": 2}
-    assert status["manual"]["history"][-1] | {"time": ""} == {"time": "", "node": "reward", "old": 1, "new": 2,
-                                                              "reason": "more scoring"}
+    assert status["manual"]["history"][-1] | {"time": ""} == {"time": "", "kind": "parallelism", "node": "reward",
+                                                              "old": 1, "new": 2, "reason": "more scoring"}
     at = status["step"]
     wait_for(lambda: handle.scheduler.get_status()["step"] >= at + 2, 120, "two steps with two scorers")
     status = handle.scheduler.get_status()
