@@ -50,6 +50,14 @@ class RoleActor:
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)
 
+    def timed_update(self, batch: RolloutBatch, kl_coef: float) -> tuple[dict[str, float], float]:
+        """The actor's update, then its rollout engine takes the new weights (every loop must), and the seconds
+        both took inside this process."""
+        t0 = time.perf_counter()
+        out = self.worker.update(batch, kl_coef)
+        self.worker.sync_rollout()
+        return out, time.perf_counter() - t0
+
     def timed_call(self, method: str, *args: Any) -> tuple[Any, float]:
         """`call`, and the seconds it took inside this process."""
         t0 = time.perf_counter()
@@ -103,7 +111,7 @@ def run_naive(spec: RLTrainingJobSpec, steps: int, use_gpu: bool = False) -> Nai
             t_adv = time.perf_counter()
             adv = compute_advantages(batch, spec, kl_ctl.value)
             t_adv = time.perf_counter() - t_adv
-            upd, update_s = ray.get(actor.timed_call.remote("update", ray.put(batch), kl_ctl.value))
+            upd, update_s = ray.get(actor.timed_update.remote(ray.put(batch), kl_ctl.value))
             elapsed = time.perf_counter() - t0
             if "kl" in adv:
                 kl_ctl.update(adv["kl"], len(batch))

@@ -8,13 +8,19 @@
 #                                           (prose: benchmarks/templates/runtime.md)
 #   make bench-weight-sync                  full state-dict copy vs bucketed streaming after an update, plain
 #                                           and FSDP2 on 2 gloo ranks (~1 minute): results/weight_sync.json
+#   make bench-offpolicy                    strong vs eventual consistency (one-step off-policy pipelining) on a
+#                                           three-raylet local cluster, both workloads (~6 minutes):
+#                                           results/offpolicy.json, offpolicy.png
 
 BENCH_ARGS ?=
 
-.PHONY: bench-runtime bench-weight-sync
+.PHONY: bench-runtime bench-weight-sync bench-offpolicy
 
 bench-runtime: venv
 	$(PYTHON) -m benchmarks.runtime $(BENCH_ARGS)
 
 bench-weight-sync: venv
 	$(PYTHON) -m benchmarks.weight_sync
+
+bench-offpolicy: venv
+	$(PYTHON) -m benchmarks.offpolicy $(BENCH_ARGS)

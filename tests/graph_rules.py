@@ -65,6 +65,22 @@ def wide_actor(graph: dict) -> dict:
     return graph
 
 
+def eventual(graph: dict) -> dict:
+    """The policy reaches rollout one step late (one-step off-policy)."""
+    for e in graph["edges"]:
+        if e.get("control"):
+            e["consistency"] = "eventual"
+    return graph
+
+
+def and_spec(mutation: Mutation, section: str, **fields: object) -> Mutation:
+    def apply(doc: dict) -> None:
+        mutation(doc)
+        doc["spec"].setdefault(section, {}).update(fields)
+
+    return apply
+
+
 RULES: dict[str, tuple[Mutation, str]] = {
     "ppo without reward": (with_graph(lambda g: drop(g, "score")),
                            "spec.graph.nodes: ppo needs a node with role reward"),
@@ -95,4 +111,12 @@ RULES: dict[str, tuple[Mutation, str]] = {
     "more critic ranks than sequences": (
         with_graph(lambda g: set_parallelism(g, "critic", 257)),
         "spec.graph.nodes[3].parallelism: 257 ranks of 'critic' need at least one sequence each"),
+    "eventual consistency with a vllm engine": (
+        and_spec(with_graph(eventual), "rollout", engine="vllm"),
+        "spec.rollout.engine: 'vllm' sleeps while the policy trains on the same GPUs, so it cannot generate during "
+        "an update; with consistency 'eventual' allowed: torch"),
+    "scheduling consistency with a written graph": (
+        and_spec(with_graph(lambda g: g), "scheduling", consistency="eventual"),
+        "spec.scheduling.consistency: 'eventual' sets the built-in graph's control edge; with spec.graph, set "
+        "consistency: eventual on its control edge into the actor instead"),
 }

@@ -14,9 +14,11 @@ from hybridflow.algos import (
     FixedKLController,
     agg_loss,
     apply_kl_to_rewards,
+    behaviour_weights,
     compute_gae,
     compute_grpo_advantages,
     entropy_from_logits,
+    gspo_policy_loss,
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
@@ -560,3 +562,32 @@ def test_adaptive_kl_controller_state_round_trip_and_validation() -> None:
         AdaptiveKLController(0.1, 1.0, 0)
     with pytest.raises(ValueError, match="finite"):
         ctl.update(float("nan"), 1)
+
+
+def test_behaviour_weights_are_the_truncated_ratio_of_proximal_to_behaviour() -> None:
+    prox = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    behav = torch.log(torch.tensor([[0.25, 0.4, 0.3]]))
+    w = behaviour_weights(prox, behav, cap=2.5)
+    assert w.tolist()[0] == pytest.approx([2.0, 0.5, 2.5])  # 0.9 / 0.3 = 3 is cut at the cap
+    assert behaviour_weights(prox, prox, cap=1.0).tolist() == [[1.0, 1.0, 1.0]]
+    with pytest.raises(ValueError, match="cap must be >= 1"):
+        behaviour_weights(prox, behav, cap=0.5)
+
+
+@pytest.mark.parametrize("loss_fn", [ppo_policy_loss, gspo_policy_loss])
+def test_weights_scale_each_tokens_policy_loss(loss_fn) -> None:
+    """L = w * L_token before the aggregation: weights of 1 change nothing, and a token of weight 0 drops out."""
+    torch.manual_seed(0)
+    old = torch.randn(3, 4) * 0.1 - 1.0
+    new = (old + torch.randn(3, 4) * 0.05).requires_grad_(True)
+    adv, mask = torch.randn(3, 4), torch.ones(3, 4)
+    plain, _ = loss_fn(old, new, adv, mask, agg="token-mean")
+    ones, _ = loss_fn(old, new, adv, mask, agg="token-mean", weights=torch.ones(3, 4))
+    assert ones.item() == pytest.approx(plain.item())
+    weights = torch.ones(3, 4)
+    weights[0] = 0.0
+    dropped, _ = loss_fn(old, new, adv, mask, agg="token-mean", weights=weights)
+    (grad,) = torch.autograd.grad(dropped, new)
+    assert torch.all(grad[0] == 0) and torch.any(grad[1:] != 0)
+    doubled, _ = loss_fn(old, new, adv, mask, agg="token-mean", weights=torch.full((3, 4), 2.0))
+    assert doubled.item() == pytest.approx(2 * plain.item())

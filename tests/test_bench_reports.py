@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import runtime, weight_sync
+from benchmarks import offpolicy, runtime, weight_sync
 from benchmarks.operator import report
 from benchmarks.operator.summarise import FormatError, check_format, summarise
 
@@ -41,6 +41,16 @@ def test_weight_sync_section_is_rendered_from_weight_sync_json() -> None:
     assert fsdp["slices_match"]
     for case in (plain, fsdp):  # streaming never holds more than a full copy does
         assert case["bucketed"]["peak_extra_mib"] < case["full_copy"]["peak_extra_mib"]
+
+
+def test_offpolicy_section_is_rendered_from_offpolicy_json() -> None:
+    results = json.loads((RESULTS / "offpolicy.json").read_text())
+    assert results["format"] == offpolicy.FORMAT and set(results["workloads"]) == set(runtime.WORKLOADS)
+    assert offpolicy.render(results) == section(offpolicy.BEGIN, offpolicy.END)
+    for w in results["workloads"].values():  # the pipelined runs trained one version behind after their first step
+        assert w["strong"]["policy_lags"] == [0] and w["eventual"]["policy_lags"] == [1]
+        assert w["gain"] == w["eventual"]["tokens_per_s"] / w["strong"]["tokens_per_s"]
+    assert (RESULTS / "offpolicy.png").is_file()
 
 
 def test_a_results_file_of_another_format_is_refused() -> None:

@@ -16,6 +16,7 @@ from hybridflow.control.cli import render_status
 from hybridflow.control.errors import ControlError
 from hybridflow.control.steering import Steering
 from hybridflow.control.store import TargetStore
+from hybridflow.scheduler.edges import PolicySyncs
 from hybridflow.scheduler.hybrid import NAMESPACE
 
 
@@ -67,6 +68,9 @@ def test_the_store_keeps_sequence_parallelism_off_beside_the_targets(tmp_path: P
 
 
 def test_status_text_shows_step_nodes_edges_and_the_last_decisions() -> None:
+    syncs = PolicySyncs("actor_rollout->actor_rollout", "eventual")
+    syncs.record(2, 4096, 0.25, 0)
+    syncs.record(3, 1024, 0.75, 1)
     status = {
         "job": "default/tiny", "step": 3, "total_steps": 10,
         "nodes": {
@@ -75,6 +79,7 @@ def test_status_text_shows_step_nodes_edges_and_the_last_decisions() -> None:
         },
         "edges": {"actor_rollout->reward": {"queue_len": 1, "high_watermark": 4,
                                             "latency": {"count": 7, "mean_s": 0.25, "p95_s": 0.5, "max_s": 0.6}}},
+        "control_edges": {"actor_rollout->actor_rollout": syncs.status()},
         "decisions": [f"decision {i}" for i in range(12)],
         "manual": {"targets": {"reward": 2}, "history": []},
     }
@@ -83,8 +88,10 @@ def test_status_text_shows_step_nodes_edges_and_the_last_decisions() -> None:
     assert text[2].split() == ["NODE", "PARALLELISM", "PLANNED", "QUEUE", "GROUP"]
     assert text[4].split() == ["reward", "2", "1", "1", "reward", "(manual", "2)"]
     assert text[6] == "  actor_rollout->reward  queue 1/4  transfers 7  latency mean 0.250s p95 0.500s"
-    assert text[7] == "decisions (last 10 of 12):"
-    assert text[8:] == [f"  decision {i}" for i in range(2, 12)]
+    assert text[7] == ("  actor_rollout->actor_rollout  control, eventual  weight syncs 2  policy version 3  lag 1 "
+                       "(max 1)  sync mean 0.500s  1024 bytes")
+    assert text[8] == "decisions (last 10 of 12):"
+    assert text[9:] == [f"  decision {i}" for i in range(2, 12)]
 
 
 def test_importing_hybridflow_and_its_ctl_command_loads_no_ray() -> None:

@@ -118,3 +118,14 @@ def test_nodes_are_pinned_to_their_worker_group_when_the_cluster_advertises_it()
     assert g.get("critic_train").resources == {"GPU": 1, "pool_default": 1}
     untouched = pin_to_pools(design_graph(), {"GPU": 16})
     assert "pool_default" not in untouched.get("actor_rollout").resources
+
+
+def test_eventual_consistency_belongs_to_a_control_edge() -> None:
+    g = design_graph()
+    g.edges[0].consistency = "eventual"
+    with pytest.raises(GraphError, match=r"edge actor_rollout->reward_score: consistency 'eventual' is for the "
+                                         r"control edge that brings the updated policy to the actor"):
+        g.validate()
+    g = design_graph()
+    g.edges[-1].consistency = "eventual"
+    assert g.validate() is g

@@ -56,12 +56,6 @@ def test_queue_peak_counts_sequences_since_the_last_look_and_bytes_are_counted_p
     assert ch.bytes_total == 220 and ch.sizes.count == 2
 
 
-def test_policy_lag_is_zero_when_each_rollout_used_the_newest_weights() -> None:
-    exporter = telemetry.StepExporter("j")
-    assert [exporter._lag(v) for v in (1, 2, 3)] == [0, 0, 0]
-    assert exporter._lag(3) == 1  # rolled out with version 2 while 3 was the newest
-
-
 def test_jobs_are_counted_by_each_true_condition() -> None:
     statuses = [
         {"conditions": [{"type": "Ready", "status": "True"}, {"type": "Reconciling", "status": "False"}]},

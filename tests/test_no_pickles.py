@@ -146,7 +146,7 @@ def test_the_controller_checkpoint_loads_with_weights_only(tmp_path: Path) -> No
     kl = algos.AdaptiveKLController(0.05, 6.0, 10_000)
     kl.update(3.0, 8)
     random.seed(11)
-    state = controller_state(7, kl, sampler, ["actor_rollout_0", "critic_0"])
+    state = controller_state(7, kl, sampler.state_dict(), ["actor_rollout_0", "critic_0"])
     checkpoint.save_state(state, tmp_path / CONTROLLER_FILE)
     expected_draw = random.random()
 

@@ -191,3 +191,41 @@ def test_resource_plan_of_a_graph_with_a_reward_pool(example_doc) -> None:
     assert plan.neighbours == {"reward": "actor"}
     assert plan.rollout_pool == "actor"
     assert [tuple(n.name for n in g.nodes) for g in plan.groups] == [("actor", "ref"), ("score",), ("critic",)]
+
+
+def test_eventual_consistency_pipelines_one_step_behind(example_doc) -> None:
+    """scheduling.consistency sets the built-in control edge; values and a policy-base reference, which read
+    modules the update changes, wait for it; every sync is recorded on that edge."""
+    strong = step_plan(trainable_graph(spec_of(example_doc, "tiny-grpo.yaml"), "CPU"),
+                       spec_of(example_doc, "tiny-grpo.yaml"))
+    assert strong.lag == 0 and strong.late == () and strong.policy_edge == "actor_rollout->actor_rollout"
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["scheduling"] = {"consistency": "eventual"}
+    spec = parse_job(doc).spec
+    graph = trainable_graph(spec, "CPU")
+    control = [e for e in graph.edges if e.control]
+    assert [(e.key, e.consistency) for e in control] == [("actor_rollout->actor_rollout", "eventual")]
+    plan = step_plan(graph, spec)
+    assert plan.lag == 1 and plan.fused and plan.late == ()
+    assert plan.colocated == ("reward", "reference", "old_log_probs")
+
+    graph_doc = ppo_graph()
+    graph_doc["edges"][2]["coLocate"] = True
+    graph_doc["edges"][3]["consistency"] = "eventual"
+    spec = spec_of(example_doc, "tiny-ppo.yaml", graph_doc)
+    plan = step_plan(trainable_graph(spec, "CPU"), spec)
+    assert plan.lag == 1 and plan.policy_edge == "critic->actor"
+    assert plan.colocated == ("reward", "reference", "old_log_probs") and plan.late == ("values",)
+
+    lora = example_doc("tiny-grpo-lora.yaml")
+    lora["spec"]["scheduling"] = {"consistency": "eventual"}
+    spec = parse_job(lora).spec
+    assert step_plan(trainable_graph(spec, "CPU"), spec).late == ("reference",)
+
+
+def test_a_graph_without_a_control_edge_syncs_over_the_built_in_one(example_doc) -> None:
+    graph_doc = ppo_graph()
+    graph_doc["edges"] = [e for e in graph_doc["edges"] if not e.get("control")]
+    spec = spec_of(example_doc, "tiny-ppo.yaml", graph_doc)
+    plan = step_plan(trainable_graph(spec, "CPU"), spec)
+    assert plan.policy_edge == "critic->actor" and plan.lag == 0

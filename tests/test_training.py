@@ -16,8 +16,9 @@ from ray.util.placement_group import placement_group_table
 
 from benchmarks.chaos.procs import own_processes
 from hybridflow.api import parse_job
-from hybridflow.checkpoint import Superseded, claim
+from hybridflow.checkpoint import CONTROLLER_FILE, Superseded, claim, load_state, step_dir
 from hybridflow.checkpoint import complete_steps as checkpoint_steps
+from hybridflow.data.prompts import PromptSampler, load_prompts
 from hybridflow.driver import init_ray, run_training
 from hybridflow.trainer import Trainer
 from hybridflow.workers.modeling import THREADS_ENV
@@ -211,3 +212,33 @@ def test_ppo_with_the_critic_in_the_actors_process_runs_each_step_in_one_call(ex
     recs = result["records"]
     assert [r["step"] for r in recs] == [1, 2]
     assert all(math.isfinite(r["critic_loss"]) and math.isfinite(r["actor_loss"]) for r in recs)
+
+
+def test_one_step_off_policy_still_learns_and_every_update_crosses_the_control_edge(example_doc, tmp_path) -> None:
+    """scheduling.consistency eventual on the tiny GRPO job: each rollout but the first overlaps the update before
+    it (lag 1), the task is still learned, every step's weights reach rollout over the control edge, and a
+    checkpoint keeps the data position of the prompts not yet trained on, not of those drawn ahead."""
+    job = tiny_job(example_doc, "tiny-grpo.yaml", tmp_path, steps=80, every=40)
+    job.spec.scheduling.consistency = "eventual"
+    trainer = Trainer(job.model_dump(by_alias=True, mode="json"), str(tmp_path / "m.jsonl"))
+    try:
+        assert trainer.plan.lag == 1 and trainer.plan.fused
+        result = trainer.fit()
+        edge = trainer.scheduler.get_status()["control_edges"]["actor_rollout->actor_rollout"]
+    finally:
+        trainer.shutdown()
+    recs = result["records"]
+    assert [r["policy_lag"] for r in recs] == [0] + [1] * 79
+    assert [r["policy_version"] for r in recs] == list(range(1, 81))
+    assert all(r["timing/rollout"] < r["timing/update"] for r in recs[1:])  # generated during the last update
+    rewards = [r["reward_mean"] for r in recs]
+    assert sum(rewards[-5:]) / 5 >= 0.9, rewards
+    assert edge["consistency"] == "eventual" and edge["syncs"] == 80 and edge["policy_version"] == 80
+    assert edge["policy_lag_max"] == 1 and edge["bytes_last"] > 0
+
+    sampler = PromptSampler(load_prompts(job.spec, "train"), job.spec.data.batch_size, job.spec.trainer.seed,
+                            job.spec.data.shuffle)
+    for _ in range(40):
+        sampler.next_batch()
+    saved = load_state(step_dir(tmp_path / "ckpt", 40) / CONTROLLER_FILE)
+    assert saved["data"] == sampler.state_dict()

@@ -101,6 +101,55 @@ def test_training_on_another_policy_version_is_an_error(ppo_spec) -> None:
         RolloutBatch.concat([batch, host.rollout(r, g, [])])
 
 
+def test_an_update_reaches_rollout_only_through_the_control_edge(ppo_spec) -> None:
+    """With strong consistency rollout refuses to generate until sync_policy (the control edge) has run."""
+    host = WorkerHost(ppo_spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
+    r, g = rows(8)
+    batch = host.rollout(r, g, ["reward", "old_log_probs"])
+    batch.tensors["advantages"] = torch.randn_like(batch.tensors["old_log_probs"])
+    host.update(batch, 0.0)
+    actor = host.workers["actor_rollout"]
+    assert actor.version == 1 and actor.rollout.version == 0
+    with pytest.raises(PolicyVersionError, match="holds policy version 0 and the actor is at version 1; consistency "
+                                                 "allows a lag of 0: the control edge's weight sync must come first"):
+        host.rollout(r, g, [])
+    synced = host.sync_policy()
+    assert (synced.version, synced.bytes) == (1, 0)  # generation runs on the trained module: nothing to copy
+    assert host.rollout(r, g, []).policy_version == 1
+
+
+def test_a_pipelined_rollout_runs_one_version_behind_and_the_sync_makes_the_copies_equal(ppo_spec) -> None:
+    """consistency eventual (lag 1): the next step's rollout generates on a copy of the policy during the update;
+    it carries the version before it, the next update takes it (lag 1) weighed against its behaviour policy,
+    and after each sync the copy holds exactly the trained weights. Two versions behind is refused."""
+    spec_json = ppo_spec.model_dump(mode="json")
+    host = WorkerHost(spec_json, ROLES | {"critic": "critic"}, instance=0, use_gpu=False, lag=1)
+    actor = host.workers["actor_rollout"]
+    assert actor.behaviour is not actor.model
+    chain, phases = ["reward", "reference", "old_log_probs"], ["rollout", "advantages", "update"]
+    r1, r2, r3 = rows(24)[0][:8], rows(24)[0][8:16], rows(24)[0][16:]
+    g = list(range(8))
+    lags, synced = [], []
+    for now, ahead in ((r1, r2), (r2, r3)):
+        out = host.run_step(phases, now, g, chain, 0.001, (ahead, g), ("values",))
+        lags.append(out.update["policy_lag"])
+        synced.append(out.sync)
+        copy, trained = dict(actor.behaviour.named_parameters()), dict(actor.model.named_parameters())
+        assert all(torch.equal(copy[k], v) for k, v in trained.items())
+    assert lags == [0.0, 1.0]
+    assert [s.version for s in synced] == [1, 2] and all(s.bytes > 0 for s in synced)
+    pipelined = host.take_ahead(r3)
+    assert pipelined is not None and [b.policy_version for b in pipelined] == [1]
+    assert {"scores", "ref_log_probs", "old_log_probs"} <= set(pipelined[0].tensors)
+    assert "values" not in pipelined[0].tensors  # the critic's values wait for its update (plan.late)
+
+    stale = pipelined[0]
+    stale.policy_version = 0
+    stale.tensors["advantages"] = torch.zeros_like(stale.tensors["old_log_probs"])
+    with pytest.raises(PolicyVersionError, match="actor is at version 2; consistency allows at most 1 versions behind"):
+        host.update(stale, 0.0)
+
+
 def test_state_round_trip_restores_weights_and_sampling(ppo_spec, tmp_path) -> None:
     spec_json = ppo_spec.model_dump(mode="json")
     a = WorkerHost(spec_json, ROLES, instance=0, seed=1, use_gpu=False)

@@ -51,8 +51,9 @@ PHASES: dict[str, Phase] = {p.name: p for p in (
     Phase("rollout", frozenset({"rollout"}), ("actor_rollout",)),
     Phase("reward", frozenset({"run"}), ("reward",)),
     Phase("update", frozenset({"update"})),
-    # the torch engine generates with the trained module (no push after an update); weights move between
-    # processes when a trained group gains a rank: the new rank joins the process group, then copies rank 0
+    # the torch engine generates with the trained module (the control edge's sync_policy after an update
+    # copies nothing); weights move between processes when a trained group gains a rank: the new rank joins
+    # the process group, then copies rank 0
     Phase("weight_sync", frozenset({"setup_distributed", "export_state", "import_state"}), ("critic",)),
     Phase("checkpoint", frozenset({"save"}), staging=True),
     Phase("backpressure", new_host=True),

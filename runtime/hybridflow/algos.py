@@ -23,6 +23,7 @@ __all__ = [
     "FixedKLController",
     "agg_loss",
     "apply_kl_to_rewards",
+    "behaviour_weights",
     "compute_discounted_returns",
     "compute_gae",
     "compute_grpo_advantages",
@@ -367,6 +368,22 @@ def _token_advantages(advantages: torch.Tensor, log_probs: torch.Tensor) -> torc
         ) from exc
 
 
+@torch.no_grad()
+def behaviour_weights(proximal_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor,
+                      cap: float) -> torch.Tensor:
+    """Truncated importance weights of off-policy tokens, [B, T]:  w = min(pi_prox / pi_behaviour, cap).
+
+    Decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization", arXiv:2110.00641):
+    samples drawn by an older behaviour policy are clipped around the proximal policy (the one the update
+    starts from) and weighed by w, so the trust region stays where the update is while the lag is corrected.
+    The cap bounds the variance of the estimate, as truncated importance sampling does.
+    """
+    if not cap >= 1.0:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    log_ratio = torch.clamp(proximal_log_probs - behaviour_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return torch.clamp(torch.exp(log_ratio), max=cap)
+
+
 def ppo_policy_loss(
     old_log_probs: torch.Tensor,
     log_probs: torch.Tensor,
@@ -376,12 +393,14 @@ def ppo_policy_loss(
     clip_high: float = 0.2,
     dual_clip_c: float | None = 3.0,
     agg: str = "token-mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate with an asymmetric range and dual clip, per token then aggregated.
 
         ratio = exp(logp - logp_old)
         L     = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
         L     = min(L, -A * dual_clip_c)      where A < 0   (dual clip; dual_clip_c=None disables)
+        L     = w * L                         (``weights`` w, e.g. behaviour_weights; None: w = 1)
 
     ``advantages`` is [B, T], or [B] for one advantage per sequence (broadcast over tokens).
     Metrics: clip_frac (tokens where the clipped term wins), dual_clip_frac (tokens bounded by the
@@ -406,6 +425,8 @@ def ppo_policy_loss(
         losses = torch.where(advantages < 0, torch.minimum(losses, bound), losses)
     else:
         dual_hit = torch.zeros_like(losses, dtype=torch.bool)
+    if weights is not None:
+        losses = losses * weights
 
     loss = agg_loss(losses, mask, agg)
 
@@ -454,11 +475,13 @@ def gspo_policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     agg: str = "seq-mean-token-mean",
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO's clipped surrogate on the sequence-level ratio (Zheng et al. 2025, arXiv:2507.18071).
 
         s   = gspo_ratio(logp, logp_old)          (one value per sequence, on each of its tokens)
         L   = max(-A * s, -A * clip(s, 1 - clip_low, 1 + clip_high))
+        L   = w * L                               (``weights`` w, as ppo_policy_loss)
 
     Whole sequences are clipped, not tokens; there is no dual clip. The paper's objective averages over
     sequences, ``agg="seq-mean-token-mean"`` (the default); as in verl, any of AGG_MODES may be asked.
@@ -474,7 +497,7 @@ def gspo_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     losses = torch.maximum(unclipped, clipped)
-    loss = agg_loss(losses, mask, agg)
+    loss = agg_loss(losses if weights is None else losses * weights, mask, agg)
 
     with torch.no_grad():
         log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)

@@ -136,6 +136,9 @@ class DataflowGraph:
                     problems.append(f"edge {e.key}: unknown node {end!r}")
             if e.consistency not in ("strong", "eventual"):
                 problems.append(f"edge {e.key}: consistency must be 'strong' or 'eventual'")
+            elif e.consistency == "eventual" and not e.control:
+                problems.append(f"edge {e.key}: consistency 'eventual' is for the control edge that brings the "
+                                "updated policy to the actor; a data edge is always 'strong'")
         problems += self._cycle_problems()
         problems += self._colocation_problems()
         if problems:
@@ -302,10 +305,11 @@ def reference_in_policy(spec: RLTrainingJobSpec) -> bool:
     return spec.model.policy.lora is not None and spec.model.reference.path is None
 
 
-def _add_loop(g: DataflowGraph, actor: Node, consumers: Iterable[Node], trainer: Node) -> None:
+def _add_loop(g: DataflowGraph, actor: Node, consumers: Iterable[Node], trainer: Node,
+              consistency: Literal["strong", "eventual"]) -> None:
     for c in consumers:
         g.edge(Edge(actor, c, data_type="rollout_batch", co_locate=c.pool == actor.pool and c.role != "critic"))
-    g.edge(Edge(trainer, actor, data_type="updated_policy", control=True, consistency="strong"))
+    g.edge(Edge(trainer, actor, data_type="updated_policy", control=True, consistency=consistency))
 
 
 def rollout_gpus(spec: RLTrainingJobSpec) -> int:
@@ -346,7 +350,7 @@ def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = 
         critic = g.node(Node("critic", "critic", {"GPU": 1} if gpu else {"CPU": 1}, cpar, "critic" if gpu else "actor"))
         consumers.append(critic)
         trainer = critic
-    _add_loop(g, actor, consumers, trainer)
+    _add_loop(g, actor, consumers, trainer, spec.scheduling.consistency)
     return g
 
 

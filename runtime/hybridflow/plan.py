@@ -20,6 +20,7 @@ from hybridflow.graph import (
     GraphError,
     Node,
     needs_reference,
+    reference_in_policy,
     rollout_gpus,
     spec_graph,
 )
@@ -30,7 +31,7 @@ REQUIRED_ROLES: Mapping[str, tuple[Role, ...]] = MappingProxyType({
 })
 """Each needs exactly one node; no role may have two (the trainer could not tell which to use)."""
 
-Phase = Literal["rollout", "values", "advantages", "update"]
+Phase = Literal["rollout", "values", "advantages", "update", "sync"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,14 @@ class StepPlan:
     """rollout, values, advantages, update; no values phase when the critic is absent or in the actor's process."""
     fused: bool
     """Every phase runs on the actor's single host, so the whole step is one call to it."""
+    lag: int = 0
+    """Updates the generating policy may be behind the trained one (policy_lag): 1 pipelines the rollout of
+    step t+1 with the update of step t."""
+    late: tuple[str, ...] = ()
+    """Steps of the actor's process that read a module the update changes (the critic's values, a reference
+    that is the LoRA policy's base): with lag 1 they run on a pipelined batch after the update, not during it."""
+    policy_edge: str = ""
+    """The control edge that brings the updated policy to the actor; every weight sync is recorded on it."""
 
 
 def sequences_per_step(spec: RLTrainingJobSpec) -> int:
@@ -110,7 +119,37 @@ def training_problems(graph: DataflowGraph, spec: RLTrainingJobSpec) -> list[str
         problems += _feed_problems(graph, spec, actors[0], at)
         problems += _engine_problems(graph, spec, actors[0], at)
     problems += _rank_problems(graph, spec, at)
+    problems += _consistency_problems(graph, spec)
     problems += _sequence_parallel_problems(graph, spec, at)
+    return problems
+
+
+def policy_lag(graph: DataflowGraph) -> int:
+    """1 when the control edge into the actor is `eventual` (one-step off-policy), else 0."""
+    actor = graph.first("actor_rollout")
+    return int(actor is not None and any(e.control and e.dst_name == actor.name and e.consistency == "eventual"
+                                         for e in graph.edges))
+
+
+def policy_edge(graph: DataflowGraph, spec: RLTrainingJobSpec) -> str:
+    """The key of the control edge into the actor; a graph without one is read as having the built-in one
+    (trainer -> actor, strong): every update reaches rollout, and its syncs are recorded under that key."""
+    actor = graph.by_role("actor_rollout")[0]
+    found = next((e.key for e in graph.edges if e.control and e.dst_name == actor.name), None)
+    critic = graph.first("critic") if spec.algorithm.trains_critic else None
+    return found or f"{(critic or actor).name}->{actor.name}"
+
+
+def _consistency_problems(graph: DataflowGraph, spec: RLTrainingJobSpec) -> list[str]:
+    """What one-step off-policy pipelining cannot do: a vLLM engine sleeps while the policy trains on its GPUs,
+    and the scheduling field is the built-in graph's (a written graph says it on its control edge)."""
+    problems = []
+    if spec.graph is not None and spec.scheduling.consistency == "eventual":
+        problems.append("spec.scheduling.consistency: 'eventual' sets the built-in graph's control edge; with "
+                        "spec.graph, set consistency: eventual on its control edge into the actor instead")
+    if policy_lag(graph) and spec.rollout.engine == "vllm":
+        problems.append("spec.rollout.engine: 'vllm' sleeps while the policy trains on the same GPUs, so it cannot "
+                        "generate during an update; with consistency 'eventual' allowed: torch")
     return problems
 
 
@@ -270,7 +309,11 @@ def step_plan(graph: DataflowGraph, spec: RLTrainingJobSpec) -> StepPlan:
     fused = (actor.parallelism == 1 and not remote and not separate_critic
              and spec.scheduling.micro_batch_size is None)
     trained = (actor, critic) if separate_critic and critic is not None else (actor,)
-    return StepPlan(actor, critic, tuple(colocated), tuple(remote), trained, phases, fused)
+    lag = policy_lag(graph)
+    reads_trained = {"values"} | ({"reference"} if reference_in_policy(spec) else set())
+    late = tuple(s for s in colocated if lag and s in reads_trained)
+    return StepPlan(actor, critic, tuple(s for s in colocated if s not in late), tuple(remote), trained, phases,
+                    fused, lag, late, policy_edge(graph, spec))
 
 
 # -- what the graph asks of a cluster -------------------------------------------------------------

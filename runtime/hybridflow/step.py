@@ -42,6 +42,24 @@ class UpdateResult:
         return UpdateResult({k: v for r in results for k, v in r.metrics.items()}, max(r.seconds for r in results))
 
 
+@dataclass(frozen=True)
+class SyncResult:
+    """One weight sync over the policy's control edge: the version rollout now holds, the bytes copied (0 when
+    generation runs on the trained module), its seconds, and how long it first waited for a pipelined rollout
+    still generating on the old weights."""
+
+    version: int
+    bytes: int
+    seconds: float
+    waited: float = 0.0
+
+    @staticmethod
+    def slowest(results: Sequence[SyncResult]) -> SyncResult:
+        """Every actor rank syncs its own engine at once: the total bytes, the slowest rank's times."""
+        return SyncResult(results[0].version, sum(r.bytes for r in results), max(r.seconds for r in results),
+                          max(r.waited for r in results))
+
+
 @dataclass
 class StepOutput:
     """What a step reports, wherever its phases ran; only scalars, so it is cheap to send back."""
@@ -57,23 +75,42 @@ class StepOutput:
     update: dict[str, float] = field(default_factory=dict)
     rollout_bytes: int = 0
     """Tensor bytes of the scored rollout batch: what the actor's process handed its co-located steps."""
+    sync: SyncResult | None = None
 
     def add(self, phase: Phase, seconds: float, compute: float) -> None:
         self.seconds[phase] = seconds
         self.compute += compute
 
 
+Prompts = tuple[list[dict[str, str]], list[int]]
+"""Rows and their group ids: what a rollout answers."""
+
+
 class PhaseRunner(Protocol):
     """Runs the phases that need workers; each returns the worker compute on its critical path."""
 
-    def rollout_phase(self, rows: list[dict[str, str]], group_ids: list[int]) -> tuple[RolloutBatch, float]: ...
+    def rollout_phase(self, rows: list[dict[str, str]], group_ids: list[int]) -> tuple[RolloutBatch, float]:
+        """The batch for `rows`: the one generated during the last update when it was for these rows."""
+        ...
+
     def values_phase(self, batch: RolloutBatch) -> float: ...
-    def update_phase(self, batch: RolloutBatch, kl_coef: float) -> UpdateResult: ...
+
+    def update_phase(self, batch: RolloutBatch, kl_coef: float, ahead: Prompts | None) -> UpdateResult:
+        """The update; with `ahead`, the rollout of those prompts runs meanwhile on the policy before it."""
+        ...
+
+    def sync_phase(self) -> SyncResult:
+        """The updated policy reaches rollout over its control edge, once the pipelined rollout is done."""
+        ...
 
 
 def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, str]], group_ids: list[int],
-             spec: RLTrainingJobSpec, kl_coef: float) -> StepOutput:
-    """The step loop; `phases` (from the plan) holds "values" when the critic needs a phase of its own."""
+             spec: RLTrainingJobSpec, kl_coef: float, ahead: Prompts | None = None) -> StepOutput:
+    """The step loop; `phases` (from the plan) holds "values" when the critic needs a phase of its own.
+
+    `ahead` (consistency eventual) are the next step's prompts: their rollout overlaps this step's update,
+    and the next run_step finds their batch ready.
+    """
     out = StepOutput()
     t0 = time.perf_counter()
     batch, compute = runner.rollout_phase(rows, group_ids)
@@ -90,9 +127,12 @@ def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, 
     seconds = time.perf_counter() - t0
     out.add("advantages", seconds, seconds)
     t0 = time.perf_counter()
-    update = runner.update_phase(batch, kl_coef)
+    update = runner.update_phase(batch, kl_coef, ahead)
     out.update = update.metrics
     out.add("update", time.perf_counter() - t0, update.seconds)
+    t0 = time.perf_counter()
+    out.sync = runner.sync_phase()
+    out.add("sync", time.perf_counter() - t0, out.sync.seconds + out.sync.waited)
     return out
 
 
@@ -115,11 +155,13 @@ def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> d
         "clip_frac": upd.get("clip_frac"),
         "response_length": stats["response_length"],
         "tokens_per_s": stats["tokens"] / elapsed,
-        "policy_version": int(stats["policy_version"]) + 1,
+        "policy_version": int(stats["policy_version"]) + int(upd.get("policy_lag", 0)) + 1,
+        "policy_lag": int(upd.get("policy_lag", 0)),
         "timing/step": elapsed,
         "orchestration_overhead_frac": max(0.0, 1.0 - out.compute / elapsed),
         **{f"timing/{k}": v for k, v in out.timings.items()},
         **{f"timing/{k}": v for k, v in out.seconds.items()},
+        **({"weight_sync_bytes": out.sync.bytes, "timing/pipeline_wait": out.sync.waited} if out.sync else {}),
         **{k: v for k, v in adv.items() if k != "kl"},
         **{k: upd[k] for k in FOOTPRINT_KEYS if k in upd},
     }

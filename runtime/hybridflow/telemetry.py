@@ -49,6 +49,7 @@ PHASES: dict[str, str] = {
     "values": "timing/values",
     "advantages": "timing/advantages",
     "update": "timing/update",
+    "weight_sync": "timing/sync",
 }
 """Phase label -> the step record's key holding its seconds; "orchestration" is derived (see phase_seconds)."""
 
@@ -91,7 +92,8 @@ def _metrics() -> _Metrics:
         phase_seconds=Counter(
             f"{PREFIX}step_phase_seconds_total",
             "Seconds spent in each phase of the steps: worker-timed generate, reward, reference, old_log_probs "
-            "and values; advantages and update as the controller timed them; orchestration is the steps' wall "
+            "and values; advantages, update and weight_sync (the policy crossing its control edge to rollout) "
+            "as the controller timed them; orchestration is the steps' wall "
             "time not spent in worker compute on the critical path. Divided by steps_total: seconds per step.",
             (*job, "phase")),
         step_seconds=Histogram(f"{PREFIX}step_duration_seconds", "Wall time of one training step.",
@@ -104,8 +106,8 @@ def _metrics() -> _Metrics:
         kl=Gauge(f"{PREFIX}kl", "KL divergence of the policy from the reference on the last step's rollouts.", job),
         policy_lag=Gauge(
             f"{PREFIX}policy_version_lag",
-            "Policy updates between the weights that generated a step's rollouts and the newest weights. This "
-            "engine is synchronous and on-policy: every rollout uses the newest weights, so it is 0.", job),
+            "Policy updates between the weights that generated a step's rollouts and the weights its update "
+            "started from: 0 with consistency strong, at most 1 with eventual (one-step off-policy).", job),
         edge_latency=Histogram(
             f"{PREFIX}edge_transfer_seconds",
             "Seconds from putting a batch on a data edge to the consumer having its result (queueing included).",
@@ -148,7 +150,6 @@ class StepExporter:
         self.job = job
         self._latency_seen: dict[str, int] = {}
         self._bytes_seen: dict[str, int] = {}
-        self._version: int | None = None
 
     def export(self, record: Mapping[str, Any], scheduler: HybridScheduler) -> None:
         if not enabled():
@@ -166,7 +167,7 @@ class StepExporter:
         if "val/reward_mean" in record:
             keep.set(m.val_reward_mean, record["val/reward_mean"], job)
         keep.set(m.kl, record.get("kl", 0.0), job)
-        keep.set(m.policy_lag, self._lag(int(record["policy_version"])), job)
+        keep.set(m.policy_lag, record.get("policy_lag", 0), job)
         for node in scheduler.graph.nodes:
             keep.set(m.parallelism, scheduler.instance_count(node.name), {**job, "node": node.name})
         for edge in scheduler.graph.data_edges():
@@ -183,12 +184,6 @@ class StepExporter:
             m.edge_bytes.inc(sent, tags)
         self._bytes_seen[key] = channel.bytes_total
         _keeper().set(m.edge_queue, channel.take_peak(), tags)
-
-    def _lag(self, version: int) -> int:
-        """`version` is the policy after this step's update; its rollouts used version - 1."""
-        lag = 0 if self._version is None else max(0, self._version - (version - 1))
-        self._version = version
-        return lag
 
 
 def count_decision(job: str, kind: DecisionKind) -> None:

@@ -38,7 +38,7 @@ from hybridflow.scheduler.group import HostGroup
 from hybridflow.scheduler.head import HeadWatch
 from hybridflow.scheduler.hybrid import WORKER_LOST
 from hybridflow.scheduler.placement import bundle_for, pin_to_pools, torch_threads
-from hybridflow.step import PhaseResult, UpdateResult, run_step, step_record
+from hybridflow.step import PhaseResult, Prompts, SyncResult, UpdateResult, run_step, step_record
 from hybridflow.telemetry import StepExporter
 from hybridflow.trackers import TRACKERS, TrackerSet, TrackerUnavailable, missing_extras, open_trackers
 from hybridflow.workers.batch import RolloutBatch
@@ -55,13 +55,13 @@ MEMORY_SAMPLE_S = 5.0
 
 
 def controller_state(step: int, kl_ctl: algos.FixedKLController | algos.AdaptiveKLController,
-                     sampler: PromptSampler, ranks: list[str]) -> dict[str, Any]:
+                     data: dict[str, int], ranks: list[str]) -> dict[str, Any]:
     """The controller's part of a checkpoint, in types `torch.load(weights_only=True)` reads back.
 
-    The step, the KL coefficient, the data position, the RNG states (torch's a tensor, Python's a tuple of
-    ints) and the rank files written beside it.
+    The step, the KL coefficient, the data position (PromptSampler.state_dict) the next step draws from, the
+    RNG states (torch's a tensor, Python's a tuple of ints) and the rank files written beside it.
     """
-    return {"step": int(step), "kl_ctl": kl_ctl.state_dict(), "data": sampler.state_dict(),
+    return {"step": int(step), "kl_ctl": kl_ctl.state_dict(), "data": dict(data),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             "world": dict.fromkeys(ranks, 1)}
 
@@ -99,6 +99,13 @@ class Trainer:
         self.trained = [self.groups[n.name] for n in self.plan.trained]
         self.sp = self.spec.model.critic.sequence_parallel if self.critic is not None else 1
         """The critic's sequence-parallel size in force: its ranks take shards in groups of this many."""
+        self._policy_syncs = self.scheduler.policy_syncs(self.plan.policy_edge)
+        self._next: Prompts | None = None
+        """With plan.lag 1: the next step's prompts, whose rollout overlaps this step's update."""
+        self._data_before_next: dict[str, int] = {}
+        """The data position before `_next` was drawn: where a checkpoint's resumed run draws again."""
+        self._ready: list[RolloutBatch] | None = None
+        """The batches of `_next`, back from the actor's hosts (a plan that is not fused)."""
         self.sampler = PromptSampler(load_prompts(self.spec, "train"), self.spec.data.batch_size, t.seed,
                                      self.spec.data.shuffle)
         self.val_rows = load_prompts(self.spec, "val")
@@ -139,7 +146,7 @@ class Trainer:
         def host_kwargs(group, instance: int) -> dict[str, Any]:
             return {"spec": spec_json, "roles": {n.name: n.role for n in group.nodes}, "instance": instance,
                     "seed": seed, "use_gpu": use_gpu, "job": self.job.metadata.name,
-                    "threads": torch_threads(bundle_for(group))}
+                    "threads": torch_threads(bundle_for(group)), "lag": self.plan.lag}
 
         self.scheduler.start(WorkerHost, host_kwargs)
         if self.spec.trainer.checkpoint.every:
@@ -316,7 +323,7 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def _prompts(self) -> tuple[list[dict[str, str]], list[int]]:
+    def _prompts(self) -> Prompts:
         return repeat_samples(self.sampler.next_batch(), self.spec.rollout.samples_per_prompt)
 
     def _chunks(self, size: int, spread: int | None = None) -> list[tuple[int, int]]:
@@ -325,28 +332,53 @@ class Trainer:
         return [(a, min(a + per, size)) for a in range(0, size, per)]
 
     def train_step(self, step: int) -> dict[str, Any]:
-        """rollout -> values -> advantages -> update here over the host groups, or in one call on the
-        actor's host when the plan fuses the step; then the record."""
+        """rollout -> values -> advantages -> update -> sync here over the host groups, or in one call on the
+        actor's host when the plan fuses the step; then the record. With plan.lag 1 the next step's prompts
+        are drawn now, and their rollout overlaps this update."""
         t0 = time.perf_counter()
-        rows, gids = self._prompts()
+        rows, gids = self._next or self._prompts()
+        self._next = None
+        if self.plan.lag and step < self.spec.trainer.total_steps:
+            self._data_before_next = self.sampler.state_dict()
+            self._next = self._prompts()
         kl_coef = self.kl_ctl.value
         if self.plan.fused:
-            out, = self.actor.call("run_step", list(self.plan.phases), rows, gids, list(self.plan.colocated), kl_coef)
+            out, = self.actor.call("run_step", list(self.plan.phases), rows, gids, list(self.plan.colocated), kl_coef,
+                                   self._next, self.plan.late)
             for channel in self._handed_in_process:
                 channel.record_bytes(out.rollout_bytes)
         else:
-            out = run_step(self, self.plan.phases, rows, gids, self.spec, kl_coef)
+            out = run_step(self, self.plan.phases, rows, gids, self.spec, kl_coef, self._next)
         elapsed = time.perf_counter() - t0
         if "kl" in out.advantages:
             self.kl_ctl.update(out.advantages["kl"], int(out.stats["size"]))
+        assert out.sync is not None
+        self._policy_syncs.record(out.sync.version, out.sync.bytes, out.sync.seconds,
+                                  int(out.update.get("policy_lag", 0)))
         return step_record(step, out, elapsed, self.kl_ctl.value)
+
+    def _data_state(self) -> dict[str, int]:
+        """Where the step after the last finished one draws its prompts (before any drawn ahead)."""
+        return self._data_before_next if self._next is not None else self.sampler.state_dict()
+
+    def _forget_pipeline(self) -> None:
+        """A rollback: prompts and batches drawn ahead belong to the abandoned run (the hosts drop theirs on load)."""
+        self._next, self._ready = None, None
 
     def rollout_phase(self, rows: list[dict[str, str]], gids: list[int]) -> tuple[RolloutBatch, float]:
         """Generate in chunks; co-located steps run inside the actor's process, remote ones are streamed
         to their nodes as each chunk completes (through the object store, watched by backpressure).
+        A batch generated during the last update only gets its late steps and the remote ones now.
         Returns the scored batch and the busiest host's compute."""
-        chain = list(self.plan.colocated)
-        dealt = self.actor.deal("rollout", [(rows[a:b], gids[a:b], chain) for a, b in self._chunks(len(rows))])
+        chain, late = list(self.plan.colocated), list(self.plan.late)
+        ready, self._ready = self._ready, None
+        earlier: list[set[str]] = []
+        if ready is None:
+            dealt = self.actor.deal("rollout", [(rows[a:b], gids[a:b], chain + late)
+                                                for a, b in self._chunks(len(rows))])
+        else:
+            earlier = [set(part.timings) for part in ready]
+            dealt = self.actor.deal("late", [(part, late) for part in ready])
         gen_refs = [ref for _, ref in dealt]
         chunk_of = {ref: i for i, ref in enumerate(gen_refs)}
         sent: dict[str, list[int]] = {r.edge: [] for r in self.plan.remote}
@@ -368,8 +400,10 @@ class Trainer:
                 channel.record_bytes(part.nbytes())
         self._observe()
         busy: dict[str, float] = {}
-        for (host, _), part in zip(dealt, parts, strict=True):
-            _add_busy(busy, f"{self.actor.node}_{host}", sum(part.timings.values()))
+        for i, ((host, _), part) in enumerate(zip(dealt, parts, strict=True)):
+            done_before = earlier[i] if earlier else set()
+            _add_busy(busy, f"{self.actor.node}_{host}",
+                      sum(v for k, v in part.timings.items() if k not in done_before))
         for r in self.plan.remote:
             results: list[PhaseResult] = self.scheduler.channel(r.edge).drain()
             for i, res in zip(sent[r.edge], results, strict=True):
@@ -414,11 +448,30 @@ class Trainer:
         batch.tensors["values"] = torch.cat([r.tensors["values"] for r in results[::self.sp]])
         return max(r.seconds for r in results)
 
-    def update_phase(self, batch: RolloutBatch, kl_coef: float) -> UpdateResult:
-        """Every trained group updates at once on its own shards (a critic on the actor's hosts in the same call)."""
+    def update_phase(self, batch: RolloutBatch, kl_coef: float, ahead: Prompts | None = None) -> UpdateResult:
+        """Every trained group updates at once on its own shards (a critic on the actor's hosts in the same call).
+        With `ahead`, each actor host first starts generating its chunks of those prompts in a thread of its
+        own (WorkerHost.generate_ahead), on the policy before this update."""
+        if ahead is not None:
+            rows, gids = ahead
+            hosts = self.actor.hosts
+            mine: list[list[tuple[Any, ...]]] = [[] for _ in hosts]
+            for i, (a, b) in enumerate(self._chunks(len(rows))):
+                mine[i % len(hosts)].append((rows[a:b], gids[a:b], list(self.plan.colocated)))
+            ray.get([h.generate_ahead.remote(calls) for h, calls in zip(hosts, mine, strict=True) if calls])
         refs = [ref for g in self.trained
                 for ref in g.submit("update", batch, kl_coef, replicas=self.sp if g is self.critic else 1)]
         return UpdateResult.slowest(ray.get(refs))
+
+    def sync_phase(self) -> SyncResult:
+        """The control edge: every actor rank's rollout engine gets the updated policy; the batches a
+        pipelined rollout left on the hosts come back here, in chunk order, for the next step."""
+        result = SyncResult.slowest(self.actor.call("sync_policy"))
+        if self._next is not None:
+            per_host = [b or [] for b in self.actor.call("take_ahead")]
+            order = [per_host[i % len(per_host)].pop(0) for i in range(sum(len(b) for b in per_host))]
+            self._ready = order
+        return result
 
     def _observe(self) -> None:
         """One backpressure observation, taken when no generation is in flight (lowering the actor's
@@ -486,7 +539,7 @@ class Trainer:
         try:
             staging = checkpoint.staging_dir(root, self.step)
             ray.get([h.save.remote(str(staging), name) for name, h in self._instances()])
-            checkpoint.save_state(controller_state(self.step, self.kl_ctl, self.sampler,
+            checkpoint.save_state(controller_state(self.step, self.kl_ctl, self._data_state(),
                                                    [name for name, _ in self._instances()]),
                                   staging / CONTROLLER_FILE)
             (staging / JOB_FILE).write_text(json.dumps(self.job.model_dump(by_alias=True, mode="json"), indent=1))
@@ -576,6 +629,7 @@ class Trainer:
             self.last_val = {}
         self._host_counts = {g.node: len(g.hosts) for g in self.trained}  # every rank now holds the same state
         self.scheduler.discard_in_flight()
+        self._forget_pipeline()
 
 
 def _write_failure(error: BaseException) -> str | None:

@@ -113,6 +113,9 @@ class Algorithm(ApiModel):
     dual_clip_c: float | None = Field(3.0, gt=1.0)
     """Dual-clip bound for negative advantages; null disables."""
     value_clip: float | None = Field(0.5, gt=0.0)
+    behaviour_weight_cap: float = Field(2.0, ge=1.0, le=100.0)
+    """With spec.scheduling.consistency eventual, samples come from the policy one update behind: each token's
+    loss is weighed by min(pi_prox / pi_behaviour, cap), pi_prox being the policy the update starts from."""
     kl_penalty: KLPenalty = Field(default_factory=KLPenalty)
     entropy_coef: float = Field(0.0, ge=0.0)
     ppo_epochs: int = Field(1, ge=1, le=64)
@@ -512,6 +515,11 @@ class Scheduling(ApiModel):
     """Consecutive observations above the watermark before parallelism is changed."""
     micro_batch_size: int | None = Field(None, ge=1)
     """Sequences per rollout task: smaller tasks stream to downstream nodes sooner; null = one per actor instance."""
+    consistency: Literal["strong", "eventual"] = "strong"
+    """How new the generating policy must be: the built-in graph's control edge (updated_policy, into the actor).
+    strong: each rollout waits for the last update. eventual: one-step off-policy; the rollout of step t+1
+    runs while step t updates, on the policy one update behind, and the PPO ratio against that policy's
+    log-probs weighs the samples. A spec.graph sets consistency on its control edge instead."""
 
 
 class NcclSettings(ApiModel):

@@ -96,6 +96,10 @@ def render_status(status: dict[str, Any]) -> str:
         queued = edge.get("backlog", edge["queue_len"])  # sequences, the watermark's unit
         lines.append(f"  {key}  queue {queued}/{edge['high_watermark']}  transfers {lat['count']}  "
                      f"latency mean {lat['mean_s']:.3f}s p95 {lat['p95_s']:.3f}s")
+    for key, edge in status["control_edges"].items():
+        lines.append(f"  {key}  control, {edge['consistency']}  weight syncs {edge['syncs']}  policy version "
+                     f"{edge['policy_version']}  lag {edge['policy_lag']} (max {edge['policy_lag_max']})  "
+                     f"sync mean {edge['latency']['mean_s']:.3f}s  {edge['bytes_last']} bytes")
     decisions = status["decisions"]
     lines.append(f"decisions (last {min(RECENT_DECISIONS, len(decisions))} of {len(decisions)}):")
     lines += [f"  {d}" for d in decisions[-RECENT_DECISIONS:]]

@@ -14,7 +14,7 @@ from typing import Any
 
 CURVES = ("reward_mean", "kl", "tokens_per_s")
 """The metrics drawn as curves against step."""
-PHASE_KEYS = ("timing/rollout", "timing/values", "timing/advantages", "timing/update")
+PHASE_KEYS = ("timing/rollout", "timing/values", "timing/advantages", "timing/update", "timing/sync")
 """The wall time of each phase of a step, as the controller timed it (step.run_step)."""
 MAX_POINTS = 600
 """Curves longer than this are thinned for the page; the last point is always kept."""
@@ -28,7 +28,7 @@ class StepSplit:
     compute: worker compute on the critical path (the slowest rank of each phase) plus the controller's own
         advantage math: timing/step * (1 - orchestration_overhead_frac).
     communication: the rest of the time inside the phases: Ray calls, object-store transfers and the waits
-        on edge queues: the phases' wall time (timing/rollout, values, advantages, update) minus compute.
+        on edge queues: the phases' wall time (timing/rollout, values, advantages, update, sync) minus compute.
     scheduling: the controller's time outside the phases: sampling prompts, dispatching the step, the KL
         controller and the step's record: timing/step minus the phases' wall time.
     """
@@ -121,7 +121,8 @@ def graph(status: Mapping[str, Any]) -> dict[str, Any]:
 
 def _edge(e: Mapping[str, Any]) -> dict[str, Any]:
     kind = "control" if e.get("control") else "colocated" if e.get("co_locate") else "data"
-    return {"src": e["src"], "dst": e["dst"], "kind": kind, "data_type": e.get("data_type", "")}
+    return {"src": e["src"], "dst": e["dst"], "kind": kind, "data_type": e.get("data_type", ""),
+            "consistency": e.get("consistency", "strong")}
 
 
 def memory(status: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
-"""Edge queues: the object refs in flight on each data edge, how long they took, how big they were.
+"""Edge queues: the object refs in flight on each data edge, how long they took, how big they were; and the
+control edge's record of the weight syncs it carried.
 
-LatencyStats, SizeStats and size_problem are pure; EdgeChannel is the thin Ray layer (ray.wait / ray.get)
-over them.
+LatencyStats, SizeStats, PolicySyncs and size_problem are pure; EdgeChannel is the thin Ray layer (ray.wait /
+ray.get) over them.
 """
 
 from __future__ import annotations
@@ -101,6 +102,35 @@ class SizeStats:
 
     def as_dict(self) -> dict[str, int]:
         return {"batches": self.count, "bytes_total": self.total, "bytes_last": self.last, "bytes_max": self.max}
+
+
+class PolicySyncs:
+    """The control edge that brings each update to rollout: every weight sync crosses it and is counted here,
+    with its bytes, its seconds, the version it delivered and the policy lag the updates trained at."""
+
+    def __init__(self, key: str, consistency: str) -> None:
+        self.key, self.consistency = key, consistency
+        self.sizes = SizeStats()
+        self.latency = LatencyStats()
+        self.version = 0
+        self.lag_last = 0
+        self.lag_max = 0
+
+    def record(self, version: int, size_bytes: int, seconds: float, lag: int) -> None:
+        """One sync: rollout now holds policy `version`; the update before it trained `lag` versions behind."""
+        self.sizes.add(size_bytes)
+        self.latency.add(seconds)
+        self.version = version
+        self.lag_last, self.lag_max = lag, max(self.lag_max, lag)
+
+    @property
+    def syncs(self) -> int:
+        return self.sizes.count
+
+    def status(self) -> dict[str, Any]:
+        return {"consistency": self.consistency, "syncs": self.syncs, "policy_version": self.version,
+                "policy_lag": self.lag_last, "policy_lag_max": self.lag_max, "latency": self.latency.as_dict(),
+                **self.sizes.as_dict()}
 
 
 def _finished_now(refs: list[ray.ObjectRef]) -> set[ray.ObjectRef]:

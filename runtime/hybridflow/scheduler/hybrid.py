@@ -30,7 +30,7 @@ from hybridflow.api.spec import Scheduling
 from hybridflow.control.names import RAY_NAMESPACE
 from hybridflow.graph import ColocationGroup, DataflowGraph
 from hybridflow.scheduler.backpressure import BackpressureDecision, BackpressurePolicy, high_watermark
-from hybridflow.scheduler.edges import EdgeChannel
+from hybridflow.scheduler.edges import EdgeChannel, PolicySyncs
 from hybridflow.scheduler.placement import (
     DP_ROLES,
     PlacementError,
@@ -151,6 +151,7 @@ class HybridScheduler:
                                "in_process" if shared[e.src_name] == shared[e.dst_name] else "object_store")
             for e in self.graph.data_edges()
         }
+        self._syncs = {e.key: PolicySyncs(e.key, e.consistency) for e in self.graph.edges if e.control}
 
     # -- start -----------------------------------------------------------------------------------
 
@@ -354,6 +355,11 @@ class HybridScheduler:
         except KeyError:
             raise KeyError(f"no data edge {edge_key!r}; data edges: {sorted(self._channels)}") from None
 
+    def policy_syncs(self, edge_key: str) -> PolicySyncs:
+        """The weight syncs carried by control edge `edge_key` (plan.policy_edge; kept from the first ask when
+        the graph has no such edge)."""
+        return self._syncs.setdefault(edge_key, PolicySyncs(edge_key, "strong"))
+
     def get_status(self) -> dict[str, Any]:
         nodes: dict[str, Any] = {}
         for n in self.graph.nodes:
@@ -379,12 +385,13 @@ class HybridScheduler:
         return {
             "nodes": nodes,
             "edges": {k: ch.status() for k, ch in self._channels.items()},
+            "control_edges": {k: c.status() for k, c in self._syncs.items()},
             "decisions": list(self.decisions),
             "decision_log": [dict(d) for d in self.decision_log],
             "backpressure": [e.as_dict() for e in self.events],
             "graph": {"name": self.graph.name, "edges": [
                 {"src": e.src_name, "dst": e.dst_name, "data_type": e.data_type, "control": e.control,
-                 "co_locate": e.co_locate} for e in self.graph.edges]},
+                 "co_locate": e.co_locate, "consistency": e.consistency} for e in self.graph.edges]},
         }
 
     def sample_memory(self, timeout_s: float = 5.0) -> None:

@@ -6,10 +6,13 @@ Co-located steps run here back to back, so their hand-off never touches the obje
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import socket
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ from hybridflow import checkpoint, telemetry
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.graph import reference_in_policy
 from hybridflow.plan import STEPS, Phase
-from hybridflow.step import PhaseResult, StepOutput, UpdateResult, run_step
+from hybridflow.step import PhaseResult, Prompts, StepOutput, SyncResult, UpdateResult, run_step
 from hybridflow.workers import distributed
 from hybridflow.workers.actor import ActorRolloutWorker, ReferenceWorker
 from hybridflow.workers.batch import RolloutBatch
@@ -33,10 +36,11 @@ class WorkerHost:
     (scheduler.placement.torch_threads of the bundle)."""
 
     def __init__(self, spec: dict[str, Any], roles: dict[str, str], instance: int, seed: int = 0,
-                 use_gpu: bool = True, job: str = "", threads: int = 1) -> None:
+                 use_gpu: bool = True, job: str = "", threads: int = 1, lag: int = 0) -> None:
         self.threads = prepare_process(threads)
         self.spec = RLTrainingJobSpec.model_validate(spec)
-        self.roles, self.instance, self.seed = dict(roles), instance, seed
+        self.roles, self.instance, self.seed, self.lag = dict(roles), instance, seed, lag
+        self._ahead: Pipelined | None = None
         self.device = pick_device(use_gpu)
         self._seed_everything()
         self.workers: dict[str, Any] = {}
@@ -52,7 +56,7 @@ class WorkerHost:
         """The actor first: a reference in the same process may run on its module (graph.reference_in_policy)."""
         for role in sorted(self.roles.values(), key=lambda r: r != "actor_rollout"):
             if role == "actor_rollout":
-                self.workers[role] = ActorRolloutWorker(self.spec, self.device, self.seed + self.instance)
+                self.workers[role] = ActorRolloutWorker(self.spec, self.device, self.seed + self.instance, self.lag)
             elif role == "reference":
                 policy = self.workers.get("actor_rollout") if reference_in_policy(self.spec) else None
                 self.workers[role] = ReferenceWorker(self.spec, self.device, policy)
@@ -114,6 +118,46 @@ class WorkerHost:
             self._apply("reward", batch)
         return batch
 
+    def late(self, batch: RolloutBatch, steps: list[str]) -> RolloutBatch:
+        """The steps of a pipelined batch that waited for the update (plan.late), run now."""
+        for step in steps:
+            self._apply(step, batch)
+        return batch
+
+    def generate_ahead(self, calls: list[tuple[list[dict[str, str]], list[int], list[str]]]) -> bool:
+        """Start `rollout(*call)` for each call in a thread of this process and return at once: the update that
+        follows runs meanwhile (consistency eventual). `take_ahead` collects the batches."""
+        self.drop_ahead()
+        self._ahead = Pipelined([functools.partial(self.rollout, *c) for c in calls])
+        return True
+
+    def take_ahead(self, rows: list[dict[str, str]] | None = None) -> list[RolloutBatch] | None:
+        """The pipelined batches, once generated; None when none was started (or, given `rows`, when it was
+        for other prompts: a step after a recovery generates afresh)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        batches = ahead.result()
+        if rows is not None and [r for b in batches for r in b.prompts] != [r["prompt"] for r in rows]:
+            return None
+        return batches
+
+    def drop_ahead(self) -> None:
+        """Forget a pipelined rollout (after its thread ends: it holds the generation module)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.wait()
+
+    def sync_policy(self) -> SyncResult:
+        """The control edge: the updated policy into this rank's rollout engine, after the pipelined rollout
+        (which generates on the old weights) is done."""
+        t0 = time.perf_counter()
+        if self._ahead is not None:
+            self._ahead.wait()
+        waited = time.perf_counter() - t0
+        version, moved = self.workers["actor_rollout"].sync_rollout()
+        return SyncResult(version, moved, time.perf_counter() - t0 - waited, waited)
+
     def run(self, batch: RolloutBatch, step: str) -> PhaseResult:
         """A step for a batch that arrived through the object store; only the new tensors go back."""
         before = set(batch.tensors)
@@ -137,9 +181,10 @@ class WorkerHost:
         return UpdateResult(metrics, time.perf_counter() - t0)
 
     def run_step(self, phases: list[Phase], rows: list[dict[str, str]], group_ids: list[int], chain: list[str],
-                 kl_coef: float) -> StepOutput:
-        """A whole step in this process (the plan fused its phases here); only scalars go back."""
-        return run_step(_LocalPhases(self, chain), phases, rows, group_ids, self.spec, kl_coef)
+                 kl_coef: float, ahead: Prompts | None = None, late: tuple[str, ...] = ()) -> StepOutput:
+        """A whole step in this process (the plan fused its phases here); only scalars go back. With `ahead`
+        the next step's rollout overlaps the update, and stays here for the next call."""
+        return run_step(_LocalPhases(self, chain, list(late)), phases, rows, group_ids, self.spec, kl_coef, ahead)
 
     def policy_version(self) -> int:
         return self.workers["actor_rollout"].version
@@ -164,6 +209,7 @@ class WorkerHost:
         }
 
     def import_state(self, state: dict[str, Any]) -> bool:
+        self.drop_ahead()  # generated by weights that are being replaced
         for role, s in state["roles"].items():
             self.workers[role].load_state_dict(s)
         torch.set_rng_state(state["rng"]["torch"])
@@ -200,24 +246,64 @@ class WorkerHost:
 
     def reset(self) -> bool:
         """Back to the initial weights (recovery before the first checkpoint)."""
+        self.drop_ahead()
         self._seed_everything()
         self.workers = {}
         self._build()
         return True
 
 
+class Pipelined:
+    """Calls run one after another in a thread of their own; `result` waits and returns theirs, or raises the
+    first call's error in the caller's thread."""
+
+    def __init__(self, calls: list[Callable[[], RolloutBatch]]) -> None:
+        self._calls = calls
+        self._out: list[RolloutBatch] = []
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pipelined-rollout", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for call in self._calls:
+                self._out.append(call())
+        except BaseException as e:  # re-raised where the result is taken
+            self._error = e
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self) -> list[RolloutBatch]:
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        return self._out
+
+
 class _LocalPhases:
     """The phases of a fused step, run on the host's own workers."""
 
-    def __init__(self, host: WorkerHost, chain: list[str]) -> None:
-        self.host, self.chain = host, chain
+    def __init__(self, host: WorkerHost, chain: list[str], late: list[str]) -> None:
+        self.host, self.chain, self.late = host, chain, late
 
     def rollout_phase(self, rows: list[dict[str, str]], group_ids: list[int]) -> tuple[RolloutBatch, float]:
-        batch = self.host.rollout(rows, group_ids, self.chain)
-        return batch, sum(batch.timings.values())
+        ready = self.host.take_ahead(rows)
+        if ready is None:
+            batch = self.host.rollout(rows, group_ids, self.chain + self.late)
+            return batch, sum(batch.timings.values())
+        batch = RolloutBatch.concat(ready)
+        generated = set(batch.timings)
+        self.host.late(batch, self.late)
+        return batch, sum(v for k, v in batch.timings.items() if k not in generated)
 
     def values_phase(self, batch: RolloutBatch) -> float:
         return self.host.run(batch, "values").seconds
 
-    def update_phase(self, batch: RolloutBatch, kl_coef: float) -> UpdateResult:
+    def update_phase(self, batch: RolloutBatch, kl_coef: float, ahead: Prompts | None) -> UpdateResult:
+        if ahead is not None:
+            self.host.generate_ahead([(*ahead, self.chain)])
         return self.host.update(batch, kl_coef)
+
+    def sync_phase(self) -> SyncResult:
+        return self.host.sync_policy()

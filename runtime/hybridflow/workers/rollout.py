@@ -14,6 +14,7 @@ from hybridflow.api.spec import Evaluation, Rollout
 from hybridflow.data.chat import CHAT, FORMAT_KEY
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
 from hybridflow.workers.lora import is_lora, merged_weights
+from hybridflow.workers.modeling import load_causal_lm
 from hybridflow.workers.reshard import DEFAULT_BUCKET_BYTES, copy_into, pack, stream_buckets
 
 
@@ -37,14 +38,18 @@ class Sampling:
 
 
 class RolloutBackend(Protocol):
+    version: int
+    """The policy version of the weights it generates with."""
+
     def generate(self, rows: list[dict[str, str]], group_ids: list[int], policy_version: int,
                  sampling: Sampling | None = None, seed: int | None = None) -> RolloutBatch:
         """`sampling` overrides the rollout's settings; `seed` draws from a generator of its own, leaving the
         process's random state as it was (an evaluation must not change what training samples next)."""
         ...
 
-    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Make generation run the trained `model`, which is policy `version`; generate refuses any other."""
+    def sync_weights(self, model: torch.nn.Module, version: int) -> int:
+        """Make generation run the trained `model`, which is policy `version`; generate refuses any other.
+        Returns the bytes copied (0 when generation runs on `model` itself)."""
         ...
 
 
@@ -181,12 +186,15 @@ class TorchRollout:
         batch.add_timing("generate", time.perf_counter() - t0)
         return batch
 
-    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+    def sync_weights(self, model: torch.nn.Module, version: int) -> int:
         """Nothing to copy when generation runs on the trained module; else the buckets, copied in place."""
+        moved = 0
         if model is not self.model:
             for bucket in stream_buckets(generation_state(model), self.bucket_bytes, device=self.device):
                 copy_into(self.model, zip(bucket.names, bucket.tensors, strict=True))
+                moved += bucket.nbytes
         self.version = version
+        return moved
 
 
 class VllmRollout:
@@ -266,18 +274,21 @@ class VllmRollout:
             self.llm.wake_up()
             self.asleep = False
 
-    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+    def sync_weights(self, model: torch.nn.Module, version: int) -> int:
         """Weights first (the KV cache stays freed while buckets arrive), then the KV cache; cached prefixes
         were computed by the old policy, so they go."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
+        moved = 0
         for bucket in stream_buckets(generation_state(model), self.bucket_bytes, device=torch.device("cpu")):
             self.llm.collective_rpc("load_bucket", args=pack(bucket))
+            moved += bucket.nbytes
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self.llm.reset_prefix_cache()
         self.version = version
+        return moved
 
     def weight_sums(self) -> list[dict[str, float]]:
         """Per vLLM worker: the sum of each of its parameters (its tensor-parallel block), to check a load."""
@@ -290,8 +301,9 @@ VLLM_EXTENSION = "hybridflow.workers.vllm_ext.WeightLoader"
 
 def make_rollout(engine: str, model: torch.nn.Module, model_path: str, tokenizer, cfg: Rollout,
                  max_prompt_length: int, max_response_length: int, device: torch.device, dtype: str,
-                 seed: int) -> RolloutBackend:
-    """`vllm` needs the package and a GPU; the error says which is missing."""
+                 seed: int, own_copy: bool = False) -> RolloutBackend:
+    """`vllm` needs the package and a GPU; the error says which is missing. `own_copy`: torch generation runs a
+    copy of the model loaded from `model_path` (base weights under LoRA), which syncs fill, not `model` itself."""
     if engine == "vllm":
         if not torch.cuda.is_available():
             raise RuntimeError("spec.rollout.engine: 'vllm' needs a GPU; use 'torch' on CPU-only machines")
@@ -302,4 +314,5 @@ def make_rollout(engine: str, model: torch.nn.Module, model_path: str, tokenizer
                 "spec.rollout.engine: 'vllm' is not installed (pip install 'hybridflow[vllm]')"
             ) from None
         return VllmRollout(model_path, tokenizer, cfg, max_prompt_length, max_response_length, dtype, seed)
-    return TorchRollout(model, tokenizer, cfg, max_prompt_length, max_response_length, device)
+    generation = load_causal_lm(model_path, dtype, device).requires_grad_(False) if own_copy else None
+    return TorchRollout(model, tokenizer, cfg, max_prompt_length, max_response_length, device, generation)

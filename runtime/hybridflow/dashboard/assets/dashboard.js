@@ -53,7 +53,8 @@
         d = "M" + x1 + "," + y1 + " C" + mx + "," + (y1 + (fwd ? 0 : 30)) + " " + mx + "," + (y2 + (fwd ? 0 : 30)) + " " + x2 + "," + y2;
       }
       svg += '<path class="gedge ' + e.kind + '" d="' + d + '" marker-end="url(#arrow)"><title>' +
-             esc(e.src + " → " + e.dst + " (" + e.kind + (e.data_type ? ", " + e.data_type : "") + ")") + "</title></path>";
+             esc(e.src + " → " + e.dst + " (" + e.kind + (e.data_type ? ", " + e.data_type : "") +
+                 (e.consistency === "eventual" ? ", eventual" : "") + ")") + "</title></path>";
     });
     g.nodes.forEach((n, i) => {
       const p = pos[n.name];
