@@ -36,6 +36,7 @@ from benchmarks.runtime import (
     _fmt,
     _median,
     bench_job,
+    interleaved,
     torch_threads,
     with_threads,
 )
@@ -85,11 +86,11 @@ def run_one(consistency: str, workload: Workload, steps: int, threads: int, metr
     return {"consistency": consistency, "threads": threads, "records": records, "wall_s": wall}
 
 
-def launch(consistency: str, workload: Workload, steps: int, threads: int, workdir: Path,
-           timeout_s: float) -> dict[str, Any]:
+def launch(consistency: str, workload: Workload, steps: int, threads: int, workdir: Path, timeout_s: float,
+           tag: str = "") -> dict[str, Any]:
     """run_one in a child process (each run's cluster starts and ends with it); one retry, as Ray's start-up
     can time out on a loaded machine."""
-    name = f"{workload.name}-{consistency}-t{threads}"
+    name = f"{workload.name}-{consistency}{tag}-t{threads}"
     result, log = workdir / f"{name}.json", workdir / f"{name}.log"
     cmd = [sys.executable, "-m", "benchmarks.offpolicy", "--worker", consistency, "--workload", workload.name,
            "--steps", str(steps), "--threads", str(threads), "--result", str(result)]
@@ -136,15 +137,12 @@ def bench(workloads: list[Workload], rounds: int, workdir: Path, timeout_s: floa
         ensure_tiny_model(**workload.model)
         steps = STEPS[workload.name]
         raws: dict[str, list[dict[str, Any]]] = {c: [] for c in CONSISTENCIES}
-        for r in range(rounds):
-            for consistency in CONSISTENCIES:
-                for threads in thread_choices(consistency):
-                    print(f"[bench] {workload.name}, round {r + 1}/{rounds}: {consistency}, {threads} thread(s), "
-                          f"{steps} steps ...", flush=True)
-                    raws[consistency].append(launch(consistency, workload, steps, threads, workdir, timeout_s))
-                    s = _figures(raws[consistency][-1]["records"][WARMUP:])
-                    print(f"[bench]   {s['tokens_per_s']:.0f} tokens/s, median step {s['median_step_s']:.3f} s",
-                          flush=True)
+        for r, consistency, threads in interleaved(rounds, CONSISTENCIES, thread_choices):
+            print(f"[bench] {workload.name}, round {r}/{rounds}: {consistency}, {threads} thread(s), {steps} steps ...",
+                  flush=True)
+            raws[consistency].append(launch(consistency, workload, steps, threads, workdir, timeout_s, f"-{r}"))
+            s = _figures(raws[consistency][-1]["records"][WARMUP:])
+            print(f"[bench]   {s['tokens_per_s']:.0f} tokens/s, median step {s['median_step_s']:.3f} s", flush=True)
         sums = {c: summary(raws[c]) for c in CONSISTENCIES}
         report["workloads"][workload.name] = {
             "title": workload.title, "steps": steps, "warmup": WARMUP, **sums,

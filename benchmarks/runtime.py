@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,16 @@ def thread_choices(system: str) -> list[int]:
     """
     cores = torch_threads()
     return sorted({1, cores}) if system == "naive_ray" else [cores]
+
+
+def interleaved(rounds: int, settings: Sequence[str],
+                threads_of: Callable[[str], list[int]]) -> Iterator[tuple[int, str, int]]:
+    """(round from 1, setting, threads): every setting with each of its thread counts, once per round, in turn;
+    interleaving evens out load from other processes on a shared machine."""
+    for r in range(1, rounds + 1):
+        for setting in settings:
+            for threads in threads_of(setting):
+                yield r, setting, threads
 
 
 def bench_job(steps: int, name: str, workload: Workload) -> Any:
@@ -569,16 +580,14 @@ def bench_workload(workload: Workload, systems: list[str], steps: int, rounds: i
     ensure_tiny_model(**workload.model)  # made once here, not inside a timed run
     t_start = time.perf_counter()
     raws: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
-    for r in range(rounds):
-        for system in systems:
-            for threads in thread_choices(system):
-                print(f"[bench] {workload.name}, round {r + 1}/{rounds}: {LABELS[system]}, {threads} thread(s), "
-                      f"{steps} steps ...", flush=True)
-                raws[system].append(launch(system, steps, workdir, timeout_s, workload, threads, f"-{r + 1}"))
-                s = summarise(raws[system][-1:], WARMUP)
-                print(f"[bench]   {s['tokens_per_s']:.0f} tokens/s, median step {s['median_step_s']:.3f} s, "
-                      f"overhead {_fmt(s['orchestration_overhead_frac'], '.1%')}, "
-                      f"peak RSS {s['peak_rss_mib']:.0f} MiB, wall {s['rounds'][0]['wall_s']:.0f} s", flush=True)
+    for r, system, threads in interleaved(rounds, systems, thread_choices):
+        print(f"[bench] {workload.name}, round {r}/{rounds}: {LABELS[system]}, {threads} thread(s), "
+              f"{steps} steps ...", flush=True)
+        raws[system].append(launch(system, steps, workdir, timeout_s, workload, threads, f"-{r}"))
+        s = summarise(raws[system][-1:], WARMUP)
+        print(f"[bench]   {s['tokens_per_s']:.0f} tokens/s, median step {s['median_step_s']:.3f} s, "
+              f"overhead {_fmt(s['orchestration_overhead_frac'], '.1%')}, "
+              f"peak RSS {s['peak_rss_mib']:.0f} MiB, wall {s['rounds'][0]['wall_s']:.0f} s", flush=True)
     summaries = {s: summarise(raws[s], WARMUP) for s in systems}
     report = {"format": FORMAT, **build_report(summaries, steps, WARMUP, workload)}
     report["config"]["rounds"] = rounds
