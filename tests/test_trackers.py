@@ -77,7 +77,8 @@ def test_every_key_of_a_step_record_gets_a_verl_style_name() -> None:
     names = namespaced(record)
     assert {"rollout/reward_mean": 0.4, "actor/kl": 0.02, "actor/pg_loss": -0.1, "critic/value_loss": 0.05,
             "actor/entropy": 2.5, "actor/pg_clipfrac": 0.1, "actor/kl_coef": 0.001, "perf/tokens_per_s": 80.0,
-            "timing/generate": 0.2, "timing/update": 0.3, "training/policy_version": 1.0}.items() <= names.items()
+            "timing/generate": 0.2, "timing/update": 0.3, "training/policy_version": 1.0,
+            "training/policy_lag": 0.0}.items() <= names.items()
     assert "step" not in names and len(names) == len(record) - 1
     assert all("/" in name and not name.startswith("train/") for name in names), sorted(names)
 

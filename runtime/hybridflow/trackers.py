@@ -51,6 +51,8 @@ NAMES: dict[str, str] = {
     "tokens_per_s": "perf/tokens_per_s",
     "orchestration_overhead_frac": "perf/orchestration_overhead_frac",
     "policy_version": "training/policy_version",
+    "policy_lag": "training/policy_lag",
+    "weight_sync_bytes": "perf/weight_sync_bytes",
 }
 """Flat record keys and their tracker names; verl puts advantages and values under critic/ for GRPO too."""
 
