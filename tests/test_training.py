@@ -230,6 +230,8 @@ def test_one_step_off_policy_still_learns_and_every_update_crosses_the_control_e
     recs = result["records"]
     assert [r["policy_lag"] for r in recs] == [0] + [1] * 79
     assert [r["policy_version"] for r in recs] == list(range(1, 81))
+    assert "behaviour_weight_mean" not in recs[0]  # on-policy: nothing to weigh
+    assert all(0 < r["behaviour_weight_mean"] <= job.spec.algorithm.behaviour_weight_cap for r in recs[1:])
     assert all(r["timing/rollout"] < r["timing/update"] for r in recs[1:])  # generated during the last update
     rewards = [r["reward_mean"] for r in recs]
     assert sum(rewards[-5:]) / 5 >= 0.9, rewards

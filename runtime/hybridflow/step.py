@@ -153,6 +153,7 @@ def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> d
         "critic_loss": upd.get("critic_loss"),
         "entropy": upd.get("entropy"),
         "clip_frac": upd.get("clip_frac"),
+        "behaviour_weight_mean": upd.get("behaviour_weight_mean"),
         "response_length": stats["response_length"],
         "tokens_per_s": stats["tokens"] / elapsed,
         "policy_version": int(stats["policy_version"]) + int(upd.get("policy_lag", 0)) + 1,

@@ -518,8 +518,8 @@ class Scheduling(ApiModel):
     consistency: Literal["strong", "eventual"] = "strong"
     """How new the generating policy must be: the built-in graph's control edge (updated_policy, into the actor).
     strong: each rollout waits for the last update. eventual: one-step off-policy; the rollout of step t+1
-    runs while step t updates, on the policy one update behind, and the PPO ratio against that policy's
-    log-probs weighs the samples. A spec.graph sets consistency on its control edge instead."""
+    runs while step t updates, on the policy one update behind, whose samples algorithm.behaviourWeightCap
+    weighs. A spec.graph sets consistency on its control edge instead."""
 
 
 class NcclSettings(ApiModel):

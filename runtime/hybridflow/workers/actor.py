@@ -37,9 +37,9 @@ class ActorRolloutWorker:
 
     `version` counts updates. With `lag` 0 every batch it trains on must carry that version; with lag 1
     (consistency eventual) generation runs a copy of the policy that the control edge's sync refreshes, so a
-    batch may come from the version before, and its old log-probs are that generating policy's: the PPO ratio
-    pi / pi_behaviour is the importance ratio of the off-policy samples. With spec.model.policy.lora the module
-    carries adapters and the optimizer holds only their parameters.
+    batch may come from the version before: its old log-probs are then the generating policy's, and the
+    update corrects for it as decoupled PPO does (`_decouple`). With spec.model.policy.lora the module carries
+    adapters and the optimizer holds only their parameters.
     """
 
     def __init__(self, spec: RLTrainingJobSpec, device: torch.device, seed: int = 0, lag: int = 0) -> None:
