@@ -7,6 +7,7 @@ import pytest
 from hybridflow.graph import DataflowGraph, Edge, Node
 from hybridflow.scheduler.backpressure import BackpressurePolicy, QueueSignal, high_watermark
 from hybridflow.scheduler.edges import EdgeChannel, EdgeSizeError, LatencyStats, percentile, size_problem
+from hybridflow.scheduler.group import HostGroup
 from hybridflow.scheduler.head import HeadLost, HeadWatch
 from hybridflow.scheduler.placement import (
     EMPTY_BUNDLE_CPU,
@@ -363,3 +364,10 @@ def test_head_watch_probes_at_most_once_per_interval() -> None:
         clock.now = t
         watch.check()
     assert calls == [0.0, 1.0, 2.1]
+
+
+def test_results_per_host_come_back_in_the_order_deal_spread_the_calls() -> None:
+    """Seven calls over three hosts: host 0 had calls 0, 3, 6, host 1 calls 1, 4, host 2 calls 2, 5."""
+    per_host = [["c0", "c3", "c6"], ["c1", "c4"], ["c2", "c5"]]
+    assert HostGroup.in_call_order(per_host) == [f"c{i}" for i in range(7)]
+    assert HostGroup.in_call_order([[], []]) == []

@@ -143,6 +143,7 @@ FOOTPRINT_KEYS = ("actor_trainable_params", "actor_total_params", "actor_optimiz
 def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> dict[str, Any]:
     """The metrics record of one step: what the JSONL log, Prometheus and status.progress show."""
     stats, upd, adv = out.stats, out.update, out.advantages
+    lag = int(upd.get("policy_lag", 0))
     record: dict[str, Any] = {
         "step": step,
         "reward_mean": stats["reward_mean"],
@@ -156,8 +157,8 @@ def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> d
         "behaviour_weight_mean": upd.get("behaviour_weight_mean"),
         "response_length": stats["response_length"],
         "tokens_per_s": stats["tokens"] / elapsed,
-        "policy_version": int(stats["policy_version"]) + int(upd.get("policy_lag", 0)) + 1,
-        "policy_lag": int(upd.get("policy_lag", 0)),
+        "policy_version": int(stats["policy_version"]) + lag + 1,
+        "policy_lag": lag,
         "timing/step": elapsed,
         "orchestration_overhead_frac": max(0.0, 1.0 - out.compute / elapsed),
         **{f"timing/{k}": v for k, v in out.timings.items()},

@@ -352,10 +352,10 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         if "kl" in out.advantages:
             self.kl_ctl.update(out.advantages["kl"], int(out.stats["size"]))
+        record = step_record(step, out, elapsed, self.kl_ctl.value)
         assert out.sync is not None
-        self._policy_syncs.record(out.sync.version, out.sync.bytes, out.sync.seconds,
-                                  int(out.update.get("policy_lag", 0)))
-        return step_record(step, out, elapsed, self.kl_ctl.value)
+        self._policy_syncs.record(out.sync.version, out.sync.bytes, out.sync.seconds, record["policy_lag"])
+        return record
 
     def _data_state(self) -> dict[str, int]:
         """Where the step after the last finished one draws its prompts (before any drawn ahead)."""
@@ -372,13 +372,13 @@ class Trainer:
         Returns the scored batch and the busiest host's compute."""
         chain, late = list(self.plan.colocated), list(self.plan.late)
         ready, self._ready = self._ready, None
-        earlier: list[set[str]] = []
         if ready is None:
             dealt = self.actor.deal("rollout", [(rows[a:b], gids[a:b], chain + late)
                                                 for a, b in self._chunks(len(rows))])
+            timed_before: list[set[str]] = [set() for _ in dealt]
         else:
-            earlier = [set(part.timings) for part in ready]
             dealt = self.actor.deal("late", [(part, late) for part in ready])
+            timed_before = [set(part.timings) for part in ready]
         gen_refs = [ref for _, ref in dealt]
         chunk_of = {ref: i for i, ref in enumerate(gen_refs)}
         sent: dict[str, list[int]] = {r.edge: [] for r in self.plan.remote}
@@ -400,10 +400,8 @@ class Trainer:
                 channel.record_bytes(part.nbytes())
         self._observe()
         busy: dict[str, float] = {}
-        for i, ((host, _), part) in enumerate(zip(dealt, parts, strict=True)):
-            done_before = earlier[i] if earlier else set()
-            _add_busy(busy, f"{self.actor.node}_{host}",
-                      sum(v for k, v in part.timings.items() if k not in done_before))
+        for (host, _), part, timed in zip(dealt, parts, timed_before, strict=True):
+            _add_busy(busy, f"{self.actor.node}_{host}", part.seconds_besides(timed))
         for r in self.plan.remote:
             results: list[PhaseResult] = self.scheduler.channel(r.edge).drain()
             for i, res in zip(sent[r.edge], results, strict=True):
@@ -454,11 +452,8 @@ class Trainer:
         own (WorkerHost.generate_ahead), on the policy before this update."""
         if ahead is not None:
             rows, gids = ahead
-            hosts = self.actor.hosts
-            mine: list[list[tuple[Any, ...]]] = [[] for _ in hosts]
-            for i, (a, b) in enumerate(self._chunks(len(rows))):
-                mine[i % len(hosts)].append((rows[a:b], gids[a:b], list(self.plan.colocated)))
-            ray.get([h.generate_ahead.remote(calls) for h, calls in zip(hosts, mine, strict=True) if calls])
+            chain = list(self.plan.colocated)
+            self.actor.deal_lists("generate_ahead", [(rows[a:b], gids[a:b], chain) for a, b in self._chunks(len(rows))])
         refs = [ref for g in self.trained
                 for ref in g.submit("update", batch, kl_coef, replicas=self.sp if g is self.critic else 1)]
         return UpdateResult.slowest(ray.get(refs))
@@ -468,9 +463,7 @@ class Trainer:
         pipelined rollout left on the hosts come back here, in chunk order, for the next step."""
         result = SyncResult.slowest(self.actor.call("sync_policy"))
         if self._next is not None:
-            per_host = [b or [] for b in self.actor.call("take_ahead")]
-            order = [per_host[i % len(per_host)].pop(0) for i in range(sum(len(b) for b in per_host))]
-            self._ready = order
+            self._ready = HostGroup.in_call_order([b or [] for b in self.actor.call("take_ahead")])
         return result
 
     def _observe(self) -> None:

@@ -6,10 +6,12 @@ The hosts are looked up on every call, so a group follows the parallelism backpr
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, Self
+from typing import Any, Protocol, Self, TypeVar
 
 import ray
 from ray.actor import ActorHandle
+
+T = TypeVar("T")
 
 
 class Shardable(Protocol):
@@ -67,7 +69,26 @@ class HostGroup:
     def deal(self, method: str, calls: Sequence[tuple[Any, ...]]) -> list[tuple[int, ray.ObjectRef]]:
         """Call i goes to host i mod n (more calls than hosts queue up on each); returns (host, ref) pairs."""
         hosts = self.hosts
-        return [(i % len(hosts), getattr(hosts[i % len(hosts)], method).remote(*args)) for i, args in enumerate(calls)]
+        dealt = []
+        for i, args in enumerate(calls):
+            host = _host_of(i, len(hosts))
+            dealt.append((host, getattr(hosts[host], method).remote(*args)))
+        return dealt
+
+    def deal_lists(self, method: str, calls: Sequence[T]) -> list[Any]:
+        """`method(list)` once on each host that gets calls, with the calls `deal` would give it, in order;
+        waits, and returns the answers in host order."""
+        hosts = self.hosts
+        mine: list[list[T]] = [[] for _ in hosts]
+        for i, call in enumerate(calls):
+            mine[_host_of(i, len(hosts))].append(call)
+        return ray.get([getattr(h, method).remote(part) for h, part in zip(hosts, mine, strict=True) if part])
+
+    @staticmethod
+    def in_call_order(per_host: Sequence[Sequence[T]]) -> list[T]:
+        """Results each host returned for its calls under `deal`'s rule, back in the order of the calls."""
+        left = [list(results) for results in per_host]
+        return [left[_host_of(i, len(left))].pop(0) for i in range(sum(len(r) for r in left))]
 
     def next(self, method: str, *args: Any) -> ray.ObjectRef:
         """`method(*args)` on the next host in turn: chunks streamed to a node spread over its instances."""
@@ -75,3 +96,8 @@ class HostGroup:
         host = hosts[self._turn % len(hosts)]
         self._turn += 1
         return getattr(host, method).remote(*args)
+
+
+def _host_of(call: int, hosts: int) -> int:
+    """The host call `call` goes to among `hosts`: one rule for `deal`, `deal_lists` and `in_call_order`."""
+    return call % hosts

@@ -59,7 +59,8 @@ class ActorRolloutWorker:
         self.eval_sampling = Sampling.for_eval(spec.trainer.eval, spec.rollout)
         self.version = 0
         self.shuffle = torch.Generator().manual_seed(seed)
-        self.rollout.sync_weights(self.model, 0)
+        if lag:  # the copy starts as the policy's (a LoRA policy's merged weights under its base's names)
+            self.rollout.sync_weights(self.model, 0)
 
     def generating_version(self) -> int:
         """The version the rollout engine holds, at most `lag` updates behind; else the sync is missing."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,10 @@ class RolloutBatch:
 
     def add_timing(self, phase: str, seconds: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+
+    def seconds_besides(self, timed: Collection[str] = ()) -> float:
+        """Seconds of the timed steps other than `timed` (those a pipelined batch ran during an earlier step)."""
+        return sum(v for k, v in self.timings.items() if k not in timed)
 
     def shard(self, n: int) -> list[RolloutBatch]:
         """n contiguous slices (the last ones may be one shorter); empty slices are dropped."""

@@ -291,11 +291,11 @@ class _LocalPhases:
         ready = self.host.take_ahead(rows)
         if ready is None:
             batch = self.host.rollout(rows, group_ids, self.chain + self.late)
-            return batch, sum(batch.timings.values())
+            return batch, batch.seconds_besides()
         batch = RolloutBatch.concat(ready)
         generated = set(batch.timings)
         self.host.late(batch, self.late)
-        return batch, sum(v for k, v in batch.timings.items() if k not in generated)
+        return batch, batch.seconds_besides(generated)
 
     def values_phase(self, batch: RolloutBatch) -> float:
         return self.host.run(batch, "values").seconds
