@@ -128,6 +128,38 @@ def test_plan_rejects_sp_the_ranks_cannot_take(example_doc: Any) -> None:
                for p in e.value.problems)
 
 
+def grpo_doc(example_doc: Any, sp: Any) -> dict:
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["model"]["policy"]["sequenceParallel"] = sp
+    return doc
+
+
+def test_policy_sp_is_a_spec_field_and_needs_a_multiple_of_actor_ranks(example_doc: Any) -> None:
+    assert parse_job(grpo_doc(example_doc, 2)).spec.model.policy.sequence_parallel == 2
+    assert parse_job(example_doc("tiny-grpo.yaml")).spec.model.policy.sequence_parallel == 1
+    for bad in (0, "two", 1000):
+        with pytest.raises(SpecError) as e:
+            parse_job(grpo_doc(example_doc, bad))
+        assert "spec.model.policy.sequenceParallel" in str(e.value)
+    spec = parse_job(grpo_doc(example_doc, 2)).spec
+    plan = step_plan(trainable_graph(spec, "CPU", parallelism=4), spec)
+    assert not plan.fused and plan.actor.parallelism == 4
+    for ranks in (1, 3):  # one rank is the fused plan: a group of 2 cannot form
+        with pytest.raises(GraphError) as e:
+            trainable_graph(spec, "CPU", parallelism=ranks)
+        assert any(f"{ranks} ranks of 'actor_rollout' do not split into groups of "
+                   "spec.model.policy.sequenceParallel = 2; allowed: a multiple of 2" in p for p in e.value.problems)
+
+
+def test_policy_refuses_a_size_its_model_cannot_split(example_doc: Any) -> None:
+    from hybridflow.workers.actor import ActorRolloutWorker
+
+    spec = parse_job(grpo_doc(example_doc, 3)).spec  # the tiny model has 4 heads
+    with pytest.raises(ulysses.SequenceParallelError,
+                       match=r"^spec.model.policy.sequenceParallel: 3 does not divide the model's 4 attention"):
+        ActorRolloutWorker(spec, torch.device("cpu"))
+
+
 def test_critic_refuses_a_size_its_model_cannot_split(example_doc: Any) -> None:
     from hybridflow.workers.critic import CriticWorker
 
@@ -197,6 +229,25 @@ def test_disabled_sp_falls_back_to_whole_sequences(equal_case: list[dict[str, An
         assert out["disabled_param_max_abs_diff"] <= TOL
 
 
+def test_policy_sp2_log_probs_losses_grads_and_updates_equal_sp1(tmp_path: Path) -> None:
+    """The actor's training passes under SP=2 (two ranks, one shard) against SP=1: log-probs, entropy, the
+    clipped loss and its gradients, two whole updates with KL in the loss, and the activations saved per rank
+    at 1024 tokens; then SP off."""
+    for out in run_ranks("actor", tmp_path):
+        print("policy SP=2 vs SP=1:", out)
+        assert out["sp_group_size"] == 2
+        assert out["log_probs_scale"] > 0.1 and out["grad_scale"] > 1e-3 and out["update_param_moved"] > 1e-3
+        for key in ("log_probs_max_abs_diff", "entropy_max_abs_diff", "loss_abs_diff", "grad_max_abs_diff",
+                    "update0_loss_abs_diff", "update0_kl_abs_diff", "update0_grad_norm_rel_diff",
+                    "update1_loss_abs_diff", "update1_kl_abs_diff", "update1_grad_norm_rel_diff",
+                    "actor_memory_log_probs_max_abs_diff", "disabled_update_loss_abs_diff"):
+            assert out[key] <= TOL, key
+        assert out["update_param_max_abs_diff"] <= PARAM_TOL
+        assert out["disabled_param_max_abs_diff"] <= PARAM_TOL
+        assert out["was_on"] is True and out["group_after_disable"] is False
+        assert out["actor_saved_bytes_sp"] < 0.6 * out["actor_saved_bytes_plain"]
+
+
 def test_kv_heads_split_or_repeated_over_the_ranks(tmp_path: Path) -> None:
     """Gradients relative to their largest entry: the loss (a sum of squares of hidden states) makes them
     large."""
@@ -227,14 +278,15 @@ def test_activation_memory_per_rank_halves(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_disable_ulysses_on_a_running_job(example_doc: Any, tmp_path: Path) -> None:
-    """The built-in graph with SP=2 gives the critic two ranks that share each shard; disable_ulysses
-    applied at a step boundary turns them into two plain data-parallel ranks, the job trains on, and a
-    controller started again on its checkpoint path leaves SP off."""
+    """The built-in graph with SP=2 for the policy and the critic gives each two ranks that share each shard;
+    disable_ulysses applied at a step boundary turns both into two plain data-parallel ranks, the job trains
+    on, and a controller started again on its checkpoint path leaves SP off."""
     import ray
 
     from hybridflow.driver import init_ray
 
     doc = ppo_doc(example_doc, 2, critic_node=False)
+    doc["spec"]["model"]["policy"]["sequenceParallel"] = 2
     doc["metadata"]["name"] = "sp-off"
     doc["spec"]["data"]["batchSize"] = 8
     doc["spec"]["algorithm"]["miniBatchSize"] = 4
@@ -254,12 +306,15 @@ def _disable_and_restart(doc: dict[str, Any], tmp_path: Path) -> None:
     from hybridflow.control import ControlError
     from hybridflow.trainer import Trainer
 
-    trainer = Trainer(parse_job(doc).model_dump(by_alias=True, mode="json"), str(tmp_path / "m.jsonl"))
+    job = parse_job(doc).model_dump(by_alias=True, mode="json")
+    trainer = Trainer(job, str(tmp_path / "m.jsonl"), parallelism=2)
+    both = ["actor_rollout", "critic"]
     try:
-        assert trainer.critic is not None and trainer.sp == 2
-        assert trainer._parallelism_problem("critic", 3) == (
-            "3 ranks of 'critic' do not split into groups of spec.model.critic.sequenceParallel = 2; "
-            "allowed: a multiple of 2")
+        assert trainer.critic is not None and trainer.sp == {"actor_rollout": 2, "critic": 2}
+        for node, role in (("critic", "critic"), ("actor_rollout", "policy")):
+            assert trainer._parallelism_problem(node, 3) == (
+                f"3 ranks of {node!r} do not split into groups of spec.model.{role}.sequenceParallel = 2; "
+                "allowed: a multiple of 2")
         trainer.start()
         result: dict[str, Any] = {}
         loop = threading.Thread(target=lambda: result.update(trainer.fit()), daemon=True)
@@ -271,33 +326,37 @@ def _disable_and_restart(doc: dict[str, Any], tmp_path: Path) -> None:
             waited += 0.5
         assert trainer.step >= 1, "no step within the deadline"
         out = trainer.control_disable_ulysses("long prompts are gone", wait_s=600.0)
-        assert out == {"node": "critic", "old": 2, "sequence_parallel": 1, "ranks": 2}
+        assert out == {"changes": [{"node": n, "old": 2, "sequence_parallel": 1, "ranks": 2} for n in both]}
         loop.join(timeout=900)
         assert not loop.is_alive()
         records = result["records"]
         assert [r["step"] for r in records] == [1, 2, 3, 4]
-        assert all(r["critic_loss"] == r["critic_loss"] for r in records)  # no NaN before or after
-        assert ray.get([h.disable_sequence_parallel.remote() for h in trainer.critic.hosts]) == [False, False]
-        last = trainer.scheduler.decision_log[-1]
-        assert last["kind"] == "sequence_parallel" and last["node"] == "critic"
-        assert last["message"] == ("Manual: critic sequence parallelism 2 -> off: 2 data-parallel ranks over "
-                                   "whole sequences (long prompts are gone)")
+        assert all(r["critic_loss"] == r["critic_loss"] and r["actor_loss"] == r["actor_loss"] for r in records)
+        for group in (trainer.critic, trainer.actor):  # no NaN before or after; every rank is off
+            assert ray.get([h.disable_sequence_parallel.remote() for h in group.hosts]) == [False, False]
+        decisions = trainer.scheduler.decision_log[-2:]
+        assert [(d["kind"], d["node"]) for d in decisions] == [("sequence_parallel", n) for n in both]
+        assert [d["message"] for d in decisions] == [
+            f"Manual: {n} sequence parallelism 2 -> off: 2 data-parallel ranks over whole sequences (long prompts "
+            "are gone)" for n in both]
         with pytest.raises(ControlError, match="sequence parallelism is not on in this job"):
             trainer.control_disable_ulysses("again")
         assert trainer._parallelism_problem("critic", 3) is None
-        assert trainer.control_status()["manual"]["sequence_parallel_off"] == ["critic"]
+        assert trainer.control_status()["manual"]["sequence_parallel_off"] == both
     finally:
         trainer.shutdown()
     # a controller started again on the same checkpoint path (as Ray restarts one) keeps it off
     doc["spec"]["trainer"]["resume"] = "auto"
-    again = Trainer(parse_job(doc).model_dump(by_alias=True, mode="json"), str(tmp_path / "m2.jsonl"))
+    again = Trainer(parse_job(doc).model_dump(by_alias=True, mode="json"), str(tmp_path / "m2.jsonl"),
+                    parallelism=2)
     try:
         again.start()
-        assert again.sp == 1
-        assert ray.get([h.disable_sequence_parallel.remote() for h in again.critic.hosts]) == [False, False]
-        assert again.scheduler.decision_log[-1]["message"] == (
-            "Manual: critic sequence parallelism 2 -> off: 2 data-parallel ranks over whole sequences "
-            "(re-applied after a controller restart)")
+        assert again.sp == {"actor_rollout": 1, "critic": 1}
+        for group in (again.critic, again.actor):
+            assert ray.get([h.disable_sequence_parallel.remote() for h in group.hosts]) == [False, False]
+        assert [d["message"] for d in again.scheduler.decision_log[-2:]] == [
+            f"Manual: {n} sequence parallelism 2 -> off: 2 data-parallel ranks over whole sequences "
+            "(re-applied after a controller restart)" for n in both]
     finally:
         again.shutdown()
 

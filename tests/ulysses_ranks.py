@@ -19,17 +19,20 @@ from hybridflow import algos
 from hybridflow.api import parse_job
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.workers import distributed, ulysses
+from hybridflow.workers.actor import ActorRolloutWorker, policy_log_probs
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.critic import CriticWorker
-from hybridflow.workers.modeling import position_ids
+from hybridflow.workers.modeling import position_ids, response_log_probs
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-ppo.yaml"
 SP = 2
 
 
-def critic_spec(sp: int) -> RLTrainingJobSpec:
+def critic_spec(sp: int, policy_sp: int = 1) -> RLTrainingJobSpec:
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["model"]["critic"] = {"sequenceParallel": sp}
+    doc["spec"]["model"]["policy"]["sequenceParallel"] = policy_sp
+    doc["spec"]["algorithm"]["klPenalty"]["mode"] = "loss"
     doc["spec"]["data"]["batchSize"] = 6
     doc["spec"]["algorithm"]["miniBatchSize"] = 3
     return parse_job(doc).spec
@@ -119,6 +122,93 @@ def case_equal(rank: int) -> dict[str, Any]:
     return out
 
 
+def params_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max(max_diff(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def scored(batch: RolloutBatch, worker: ActorRolloutWorker) -> RolloutBatch:
+    """The batch as an update gets it: old log-probs of the generating policy, advantages, reference log-probs."""
+    g = torch.Generator().manual_seed(5)
+    m = batch.response_mask
+    with torch.no_grad():
+        batch.tensors["old_log_probs"] = response_log_probs(worker.model, batch, torch.device("cpu"))[0]
+    batch.tensors["advantages"] = torch.randn(m.shape, generator=g) * m
+    batch.tensors["ref_log_probs"] = batch.tensors["old_log_probs"] + 0.05 * torch.randn(m.shape, generator=g) * m
+    return batch
+
+
+def case_actor(rank: int) -> dict[str, Any]:
+    """The policy's training passes with SP=2 against SP=1 on the same weights and rows: log-probs, entropy,
+    the PPO loss and its gradients on one minibatch, then two whole updates (KL in the loss), then SP off."""
+    sp_worker = ActorRolloutWorker(critic_spec(1, SP), torch.device("cpu"))
+    plain = ActorRolloutWorker(critic_spec(1, 1), torch.device("cpu"))
+    batch = scored(rollout_batch(rows=6, prompt=5, response=6), plain)  # 11 tokens: padded to 12 under SP
+    m = batch.response_mask.float()
+    out: dict[str, Any] = {"sp_group_size": torch.distributed.get_world_size(sp_worker.sp.group())}
+    with torch.no_grad():
+        (lp_sp, ent_sp), (lp, ent) = (policy_log_probs(w.model, w.sp, batch, torch.device("cpu"), True)
+                                      for w in (sp_worker, plain))
+    assert ent_sp is not None and ent is not None
+    out["log_probs_max_abs_diff"] = max_diff(lp_sp * m, lp * m)
+    out["entropy_max_abs_diff"] = max_diff(ent_sp * m, ent * m)
+    out["log_probs_scale"] = float((lp * m).abs().max())
+
+    losses, grads = [], []
+    for w in (sp_worker, plain):
+        w.model.zero_grad()
+        logp, entropy = policy_log_probs(w.model, w.sp, batch, torch.device("cpu"), True)
+        assert entropy is not None
+        loss, _ = algos.ppo_policy_loss(batch.tensors["old_log_probs"], logp, batch.tensors["advantages"], m,
+                                        clip_low=0.2, clip_high=0.2, dual_clip_c=None, agg="token-mean")
+        (loss - 0.01 * algos.agg_loss(entropy, m, "token-mean")).backward()
+        distributed.average_gradients(w.model.parameters())
+        losses.append(loss.item())
+        grads.append(flat_grads(w.model))
+    out["loss_abs_diff"] = abs(losses[0] - losses[1])
+    out["grad_max_abs_diff"] = max_diff(*grads)
+    out["grad_scale"] = float(grads[1].abs().max())
+
+    for step in range(2):  # the second update starts from the first's weights and Adam moments
+        metrics_sp, metrics_plain = sp_worker.update(copy.deepcopy(batch), 0.1), plain.update(copy.deepcopy(batch), 0.1)
+        batch.policy_version += 1
+        out[f"update{step}_loss_abs_diff"] = abs(metrics_sp["actor_loss"] - metrics_plain["actor_loss"])
+        out[f"update{step}_kl_abs_diff"] = abs(metrics_sp["kl_loss"] - metrics_plain["kl_loss"])
+        out[f"update{step}_grad_norm_rel_diff"] = (abs(metrics_sp["actor_grad_norm"] - metrics_plain["actor_grad_norm"])
+                                                   / metrics_plain["actor_grad_norm"])
+    out["update_param_max_abs_diff"] = params_diff(sp_worker.model, plain.model)
+    out["update_param_moved"] = params_diff(plain.model, ActorRolloutWorker(critic_spec(1, 1),
+                                                                            torch.device("cpu")).model)
+
+    out |= actor_memory(sp_worker, plain, seq=1024)
+
+    out["was_on"] = sp_worker.sp.disable()
+    out["group_after_disable"] = sp_worker.sp.group() is not None
+    metrics_sp, metrics_plain = sp_worker.update(copy.deepcopy(batch), 0.1), plain.update(copy.deepcopy(batch), 0.1)
+    out["disabled_update_loss_abs_diff"] = abs(metrics_sp["actor_loss"] - metrics_plain["actor_loss"])
+    out["disabled_param_max_abs_diff"] = params_diff(sp_worker.model, plain.model)
+    return out
+
+
+def actor_memory(sp_worker: ActorRolloutWorker, plain: ActorRolloutWorker, seq: int) -> dict[str, Any]:
+    """Saved activations of the policy's log-prob forward+backward over one unpadded row of `seq` tokens (a
+    4-token prompt), SP=2 against SP=1, less the weights."""
+    ids = torch.randint(4, 14, (1, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    resp = mask[:, 4:].clone()
+    batch = RolloutBatch(ids, mask, resp, 4, sp_worker.version, [""], [""], [""], [0])
+    weights = sum(p.numel() * p.element_size() for p in plain.model.parameters())
+    out: dict[str, Any] = {}
+    logp: dict[str, torch.Tensor] = {}
+    for name, w in (("sp", sp_worker), ("plain", plain)):
+        def run(w: ActorRolloutWorker = w, name: str = name) -> None:
+            lp, _ = policy_log_probs(w.model, w.sp, batch, torch.device("cpu"))
+            logp[name] = lp.detach()
+            lp.sum().backward()
+        out[f"actor_saved_bytes_{name}"] = saved_bytes(run) - weights
+    out["actor_memory_log_probs_max_abs_diff"] = max_diff(logp["sp"], logp["plain"])
+    return out
+
+
 def saved_bytes(fn: Any) -> int:
     """Bytes of the distinct tensors autograd saves for backward while `fn` runs (the activations)."""
     seen: dict[tuple[int, int], int] = {}
@@ -200,7 +290,7 @@ def case_gqa(rank: int) -> dict[str, Any]:
     return out
 
 
-CASES = {"equal": case_equal, "gqa": case_gqa}
+CASES = {"equal": case_equal, "gqa": case_gqa, "actor": case_actor}
 
 
 def main() -> None:

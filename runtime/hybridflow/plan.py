@@ -200,30 +200,43 @@ def _rank_problems(graph: DataflowGraph, spec: RLTrainingJobSpec, at: _Locator) 
     return problems
 
 
-SP_FIELD = "spec.model.critic.sequenceParallel"
+SP_FIELDS: dict[str, str] = {"actor_rollout": "spec.model.policy.sequenceParallel",
+                             "critic": "spec.model.critic.sequenceParallel"}
+"""The spec field that sets each trained role's sequence-parallel size."""
+
+
+def sequence_parallel_sizes(spec: RLTrainingJobSpec) -> dict[str, int]:
+    """role -> the Ulysses group size the spec asks of it (1: off)."""
+    return {"actor_rollout": spec.model.policy.sequence_parallel,
+            "critic": spec.model.critic.sequence_parallel if spec.algorithm.trains_critic else 1}
 
 
 def _sequence_parallel_problems(graph: DataflowGraph, spec: RLTrainingJobSpec, at: _Locator) -> list[str]:
-    """Sequence parallelism splits the critic's ranks into groups of P that share a shard: the critic needs
-    hosts of its own (values computed in the actor's process follow its rows) and a multiple of P ranks."""
-    size = spec.model.critic.sequence_parallel
-    critics = graph.by_role("critic")
-    if size == 1 or not spec.algorithm.trains_critic or len(critics) != 1:
-        return []
-    critic = critics[0]
+    """Sequence parallelism splits a trained role's ranks into groups of P that share a shard: the role needs a
+    multiple of P ranks, and a critic with SP needs hosts of its own (values computed in the actor's process
+    follow the rows generated there)."""
+    problems = []
     actors = graph.by_role("actor_rollout")
-    if actors and critic.name in _group_of(graph, actors[0].name):
-        return [f"{SP_FIELD}: {size} needs a critic on hosts of its own, but {at.node(critic)} shares the "
-                "actor's hosts; allowed there: 1"]
-    problem = sequence_parallel_problem(critic.name, critic.parallelism, size, f"{at.node(critic)}.parallelism")
-    return [problem] if problem else []
+    for role, size in sequence_parallel_sizes(spec).items():
+        nodes = graph.by_role(role)
+        if size == 1 or len(nodes) != 1:
+            continue
+        node = nodes[0]
+        if role == "critic" and actors and node.name in _group_of(graph, actors[0].name):
+            problems.append(f"{SP_FIELDS[role]}: {size} needs a critic on hosts of its own, but {at.node(node)} "
+                            "shares the actor's hosts; allowed there: 1")
+            continue
+        problem = sequence_parallel_problem(node.name, node.parallelism, size, SP_FIELDS[role],
+                                            f"{at.node(node)}.parallelism")
+        problems += [problem] if problem else []
+    return problems
 
 
-def sequence_parallel_problem(node: str, parallelism: int, size: int, where: str = "") -> str | None:
+def sequence_parallel_problem(node: str, parallelism: int, size: int, field: str, where: str = "") -> str | None:
     """Why `parallelism` ranks of `node` cannot form groups of `size` sequence-parallel ranks, or None."""
     if size > 1 and parallelism % size:
         at = f"{where}: " if where else ""
-        return (f"{at}{parallelism} ranks of {node!r} do not split into groups of {SP_FIELD} = {size}; "
+        return (f"{at}{parallelism} ranks of {node!r} do not split into groups of {field} = {size}; "
                 f"allowed: a multiple of {size}")
     return None
 

@@ -31,7 +31,14 @@ from hybridflow.data.prompts import PromptSampler, load_prompts, repeat_samples
 from hybridflow.evaluation import eval_due, eval_seed, last_val_reward, val_metrics
 from hybridflow.export import SPEC, export_policy
 from hybridflow.metrics import MetricsLog, plot_metrics
-from hybridflow.plan import sequence_parallel_problem, sequences_per_step, step_plan, trainable_graph
+from hybridflow.plan import (
+    SP_FIELDS,
+    sequence_parallel_problem,
+    sequence_parallel_sizes,
+    sequences_per_step,
+    step_plan,
+    trainable_graph,
+)
 from hybridflow.reporting import ProgressReporter
 from hybridflow.scheduler import HybridScheduler
 from hybridflow.scheduler.group import HostGroup
@@ -97,8 +104,11 @@ class Trainer:
         self.actor = self.groups[self.plan.actor.name]
         self.critic = self.groups[self.plan.critic.name] if self.plan.critic is not None else None
         self.trained = [self.groups[n.name] for n in self.plan.trained]
-        self.sp = self.spec.model.critic.sequence_parallel if self.critic is not None else 1
-        """The critic's sequence-parallel size in force: its ranks take shards in groups of this many."""
+        sizes = sequence_parallel_sizes(self.spec)
+        self.sp_asked = {n.name: sizes[n.role] for n in self.plan.trained}
+        """Each trained group's sequence-parallel size in the spec (a critic on the actor's hosts follows the actor)."""
+        self.sp = dict(self.sp_asked)
+        """The sizes in force: a group's ranks take shards in groups of this many; 1 once disable_ulysses ran."""
         self._policy_syncs = self.scheduler.policy_syncs(self.plan.policy_edge)
         self._next: Prompts | None = None
         """With plan.lag 1: the next step's prompts, whose rollout overlaps this step's update."""
@@ -156,9 +166,9 @@ class Trainer:
         if self.spec.trainer.resume == "never" and not _restarted_by_ray():
             self.steering.store.clear()  # a fresh run starts from the spec, as it ignores checkpoints
         self.steering.reapply()  # before a checkpoint loads: it may hold the stored parallelism's ranks
-        if self.critic is not None and self.sp > 1 and \
-                self.critic.node in self.steering.store.read()["sequence_parallel_off"]:
-            self._sequence_parallel_off("re-applied after a controller restart")
+        off = set(self.steering.store.read()["sequence_parallel_off"])
+        if any(self.sp[n] > 1 for n in off & set(self.sp)):
+            self._sequence_parallel_off("re-applied after a controller restart", off)
 
     def shutdown(self) -> None:
         if self.started:
@@ -194,34 +204,51 @@ class Trainer:
         return self.steering.request(node, parallelism, reason, wait_s)
 
     def control_disable_ulysses(self, reason: str, wait_s: float = 600.0) -> dict[str, Any]:
-        """For `disable_ulysses` from outside: at the next step boundary the critic's ranks go back to
-        plain data parallelism over whole sequences (see Steering.at_boundary)."""
+        """For `disable_ulysses` from outside: at the next step boundary every trained group with sequence
+        parallelism goes back to plain data parallelism over whole sequences (see Steering.at_boundary)."""
         return self.steering.at_boundary(lambda: self._disable_ulysses(reason or "no reason given"), wait_s)
 
     def _disable_ulysses(self, reason: str) -> dict[str, Any]:
-        if self.critic is None or self.sp == 1:
-            raise ControlError("sequence parallelism is not on in this job (spec.model.critic.sequenceParallel "
-                               "is 1, or it was turned off already)")
+        on = {n for n, size in self.sp.items() if size > 1}
+        if not on:
+            raise ControlError(f"sequence parallelism is not on in this job ({' and '.join(SP_FIELDS.values())} "
+                               "are 1, or it was turned off already)")
+        before = self.steering.store.read()
         try:  # kept first, so that a restarted controller leaves it off too
-            before = self.steering.store.record_sequence_parallel_off(self.critic.node, self.sp, reason)
+            for node in sorted(on):
+                self.steering.store.record_sequence_parallel_off(node, self.sp[node], reason)
         except OSError as e:
+            self.steering.store.write(before)
             raise ControlError(f"cannot store the change in {self.steering.store.path}: {e}") from None
         try:
-            return self._sequence_parallel_off(reason)
+            return self._sequence_parallel_off(reason, on)
         except BaseException:
             self.steering.store.write(before)
             raise
 
-    def _sequence_parallel_off(self, reason: str) -> dict[str, Any]:
-        """The critic's ranks go on over whole sequences, as plain data-parallel ranks; a Manual decision."""
-        assert self.critic is not None
-        old, self.sp = self.sp, 1
-        self.critic.call("disable_sequence_parallel")
-        ranks = len(self.critic)
-        self.scheduler.decide(f"Manual: {self.critic.node} sequence parallelism {old} -> off: {ranks} "
-                              f"data-parallel ranks over whole sequences ({reason})", "sequence_parallel",
-                              self.critic.node, reason)
-        return {"node": self.critic.node, "old": old, "sequence_parallel": 1, "ranks": ranks}
+    def _sequence_parallel_off(self, reason: str, nodes: set[str]) -> dict[str, Any]:
+        """The ranks of `nodes` go on over whole sequences, as plain data-parallel ranks; a Manual decision each.
+        Returns {"changes": [{node, old, sequence_parallel, ranks}, ...]}."""
+        changes = []
+        for group in self.trained:
+            if group.node not in nodes or self.sp[group.node] == 1:
+                continue
+            old, self.sp[group.node] = self.sp[group.node], 1
+            group.call("disable_sequence_parallel")
+            ranks = len(group)
+            self.scheduler.decide(f"Manual: {group.node} sequence parallelism {old} -> off: {ranks} "
+                                  f"data-parallel ranks over whole sequences ({reason})", "sequence_parallel",
+                                  group.node, reason)
+            changes.append({"node": group.node, "old": old, "sequence_parallel": 1, "ranks": ranks})
+        return {"changes": changes}
+
+    def _replicas(self, group: HostGroup) -> int:
+        """Hosts of `group` that share each shard: its SP size in force. Hosts Ray restarted since SP was turned
+        off came up with the spec's size, so they are told again first."""
+        size = self.sp[group.node]
+        if size < self.sp_asked[group.node]:
+            group.call("disable_sequence_parallel")
+        return size
 
     def fit(self) -> dict[str, Any]:
         """Train to totalSteps; requests from outside are applied between steps."""
@@ -438,12 +465,11 @@ class Trainer:
     def values_phase(self, batch: RolloutBatch) -> float:
         """Critic values, data-parallel over the critic's ranks; returns the slowest rank's compute."""
         assert self.critic is not None
-        if self.sp < self.spec.model.critic.sequence_parallel:  # turned off: hosts restarted since start it again
-            self.critic.call("disable_sequence_parallel")
         if self._to_critic is not None:
             self._to_critic.record_bytes(batch.nbytes())
-        results: list[PhaseResult] = self.critic.map("run", batch, "values", replicas=self.sp)
-        batch.tensors["values"] = torch.cat([r.tensors["values"] for r in results[::self.sp]])
+        replicas = self._replicas(self.critic)
+        results: list[PhaseResult] = self.critic.map("run", batch, "values", replicas=replicas)
+        batch.tensors["values"] = torch.cat([r.tensors["values"] for r in results[::replicas]])
         return max(r.seconds for r in results)
 
     def update_phase(self, batch: RolloutBatch, kl_coef: float, ahead: Prompts | None = None) -> UpdateResult:
@@ -455,7 +481,7 @@ class Trainer:
             chain = list(self.plan.colocated)
             self.actor.deal_lists("generate_ahead", [(rows[a:b], gids[a:b], chain) for a, b in self._chunks(len(rows))])
         refs = [ref for g in self.trained
-                for ref in g.submit("update", batch, kl_coef, replicas=self.sp if g is self.critic else 1)]
+                for ref in g.submit("update", batch, kl_coef, replicas=self._replicas(g))]
         return UpdateResult.slowest(ray.get(refs))
 
     def sync_phase(self) -> SyncResult:
@@ -497,8 +523,8 @@ class Trainer:
         if self.plan.fused and self.plan.actor.name in group and parallelism != 1:
             return (f"{node} cannot change parallelism: this plan runs each step in one call on the actor's "
                     "single host")
-        if self.critic is not None and self.critic.node in group:
-            split = sequence_parallel_problem(node, parallelism, self.sp)
+        for trained in (n for n in self.plan.trained if n.name in group):
+            split = sequence_parallel_problem(node, parallelism, self.sp[trained.name], SP_FIELDS[trained.role])
             if split:
                 return split
         have = sequences_per_step(self.spec)

@@ -205,6 +205,16 @@ class ModelRef(ApiModel):
     """Train LoRA adapters instead of every weight; null (the default) is a full fine-tune."""
 
 
+class PolicyModel(ModelRef):
+    """The policy: a causal LM as any model reference, and how its training passes split long sequences."""
+
+    sequence_parallel: int = Field(1, ge=1, le=64)
+    """Ulysses sequence parallelism in the policy's training passes: groups of this many actor ranks share each
+    shard of the batch, each rank running 1/P of every sequence (H/P heads inside attention); 1 is off.
+    Generation and the old log-probs stay whole on the rank that generated them. P must divide the actor's
+    parallelism and the model's attention heads."""
+
+
 class CriticModel(ApiModel):
     path: ModelPath | None = None
     """Backbone of the critic (a directory or a Hub name, as policy.path); defaults to the policy path."""
@@ -223,7 +233,7 @@ class ReferenceModel(ApiModel):
 
 
 class Models(ApiModel):
-    policy: ModelRef = Field(default_factory=ModelRef)
+    policy: PolicyModel = Field(default_factory=PolicyModel)
     critic: CriticModel = Field(default_factory=CriticModel)
     reference: ReferenceModel = Field(default_factory=ReferenceModel)
 

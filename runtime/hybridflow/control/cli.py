@@ -29,8 +29,8 @@ def add_parser(sub: Any) -> None:
     scale.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                        help="seconds to wait for a step boundary (default: %(default)g)")
     scale.set_defaults(fn=cmd_scale)
-    ulysses = verbs.add_parser("disable-ulysses", help="turn the critic's sequence parallelism off at the next "
-                               "step boundary (its ranks go on over whole sequences)")
+    ulysses = verbs.add_parser("disable-ulysses", help="turn sequence parallelism (actor and critic) off at the "
+                               "next step boundary (their ranks go on over whole sequences)")
     _common(ulysses)
     ulysses.add_argument("--reason", default="", help="logged with the decision")
     ulysses.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
@@ -75,8 +75,9 @@ def cmd_disable_ulysses(args: argparse.Namespace) -> int:
         out = handle.disable_ulysses(args.reason)
     except ControlError as e:
         return _fail(str(e))
-    print(f"{handle.ref}: {out['node']} sequence parallelism {out['old']} -> off "
-          f"({out['ranks']} data-parallel ranks over whole sequences)")
+    for change in out["changes"]:
+        print(f"{handle.ref}: {change['node']} sequence parallelism {change['old']} -> off "
+              f"({change['ranks']} data-parallel ranks over whole sequences)")
     return 0
 
 

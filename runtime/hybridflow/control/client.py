@@ -40,9 +40,9 @@ class SchedulerHandle:
         return int(self._job.scale(node, n, reason)["parallelism"])
 
     def disable_ulysses(self, reason: str = "") -> dict[str, Any]:
-        """Turn the critic's sequence parallelism off at the next step boundary, without a restart: its
-        ranks go on as plain data parallelism over whole sequences. Returns {node, old, sequence_parallel,
-        ranks}; raises ControlError when it is not on."""
+        """Turn sequence parallelism off at the next step boundary, without a restart: the ranks of every trained
+        node that had it (actor, critic) go on as plain data parallelism over whole sequences. Returns
+        {changes: [{node, old, sequence_parallel, ranks}, ...]}; raises ControlError when it is not on."""
         return self._job.disable_ulysses(reason)
 
 

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 from hybridflow import algos
+from hybridflow.algos import entropy_from_logits, logprobs_from_logits
 from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.plan import SP_FIELDS
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
 from hybridflow.workers.footprint import training_footprint
 from hybridflow.workers.modeling import (
@@ -23,6 +25,7 @@ from hybridflow.workers.modeling import (
 from hybridflow.workers.optim import train_epochs
 from hybridflow.workers.rollout import Sampling, make_rollout
 from hybridflow.workers.training import RoleTraining
+from hybridflow.workers.ulysses import SequenceParallel, forward_tokens
 
 
 def optimizer_steps(spec: RLTrainingJobSpec) -> int:
@@ -32,6 +35,25 @@ def optimizer_steps(spec: RLTrainingJobSpec) -> int:
     return -(-total // mbs)
 
 
+def policy_log_probs(module: torch.nn.Module, sp: SequenceParallel, batch: RolloutBatch, device: torch.device,
+                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_log_probs`, split over this rank's SP group when SP is on: each rank scores the next token at
+    its 1/P of the positions, and only that [B, S, 2] table of log-prob and entropy is gathered, never the
+    [B, S, vocab] logits."""
+    if sp.group() is None:
+        return response_log_probs(module, batch, device, with_entropy)
+    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)  # the token each position predicts
+
+    def scores(part: torch.Tensor, _mask: None, positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = module(input_ids=part, position_ids=positions, use_cache=False).logits.float()
+        logp = logprobs_from_logits(logits, targets)
+        return torch.stack([logp, entropy_from_logits(logits) if with_entropy else torch.zeros_like(logp)], -1)
+
+    table = forward_tokens(scores, sp, ids, mask, (labels,), module)[:, batch.prompt_length - 1:-1]
+    return table[..., 0], (table[..., 1] if with_entropy else None)
+
+
 class ActorRolloutWorker:
     """The policy: generates rollouts, scores old log-probs, and takes PPO steps.
 
@@ -39,10 +61,13 @@ class ActorRolloutWorker:
     (consistency eventual) generation runs a copy of the policy that the control edge's sync refreshes, so a
     batch may come from the version before: its old log-probs are then the generating policy's, and the
     update corrects for it as decoupled PPO does (`_decouple`). With spec.model.policy.lora the module carries
-    adapters and the optimizer holds only their parameters.
+    adapters and the optimizer holds only their parameters. The training passes run sequence-parallel when
+    spec.model.policy.sequenceParallel is above 1; `shuffle_seed` (default `seed`) must then be the same on the
+    ranks of a group, so that they cut the same minibatches.
     """
 
-    def __init__(self, spec: RLTrainingJobSpec, device: torch.device, seed: int = 0, lag: int = 0) -> None:
+    def __init__(self, spec: RLTrainingJobSpec, device: torch.device, seed: int = 0, lag: int = 0,
+                 shuffle_seed: int | None = None) -> None:
         self.spec, self.device, self.lag = spec, device, lag
         self.path = check_model_dir(spec.model.policy.path, "spec.model.policy.path")
         self.tokenizer = load_tokenizer(self.path)
@@ -58,7 +83,9 @@ class ActorRolloutWorker:
         """The module that generates: old log-probs are its own, the policy the samples came from."""
         self.eval_sampling = Sampling.for_eval(spec.trainer.eval, spec.rollout)
         self.version = 0
-        self.shuffle = torch.Generator().manual_seed(seed)
+        self.shuffle = torch.Generator().manual_seed(seed if shuffle_seed is None else shuffle_seed)
+        self.sp = SequenceParallel.for_model(spec.model.policy.sequence_parallel, self.model.config,
+                                             SP_FIELDS["actor_rollout"])
         if lag:  # the copy starts as the policy's (a LoRA policy's merged weights under its base's names)
             self.rollout.sync_weights(self.model, 0)
 
@@ -112,7 +139,7 @@ class ActorRolloutWorker:
             self._decouple(batch)
 
         def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
-            logp, ent = response_log_probs(self.training.module, mb, self.device, with_entropy=True)
+            logp, ent = policy_log_probs(self.training.module, self.sp, mb, self.device, with_entropy=True)
             assert ent is not None
             m = mb.response_mask.float().to(self.device)
             old, adv = mb.tensors["old_log_probs"].to(self.device), mb.tensors["advantages"].to(self.device)
@@ -157,7 +184,7 @@ class ActorRolloutWorker:
         module = self.training.module
         was_training = module.training
         module.eval()
-        proximal, _ = response_log_probs(module, batch, self.device)
+        proximal, _ = policy_log_probs(module, self.sp, batch, self.device)
         module.train(was_training)
         batch.tensors["old_log_probs"] = proximal.cpu()
         batch.tensors["behaviour_weights"] = algos.behaviour_weights(

@@ -56,7 +56,9 @@ class WorkerHost:
         """The actor first: a reference in the same process may run on its module (graph.reference_in_policy)."""
         for role in sorted(self.roles.values(), key=lambda r: r != "actor_rollout"):
             if role == "actor_rollout":
-                self.workers[role] = ActorRolloutWorker(self.spec, self.device, self.seed + self.instance, self.lag)
+                group = self.instance // self.spec.model.policy.sequence_parallel  # its ranks cut the same minibatches
+                self.workers[role] = ActorRolloutWorker(self.spec, self.device, self.seed + self.instance, self.lag,
+                                                        shuffle_seed=self.seed + group)
             elif role == "reference":
                 policy = self.workers.get("actor_rollout") if reference_in_policy(self.spec) else None
                 self.workers[role] = ReferenceWorker(self.spec, self.device, policy)
@@ -98,9 +100,9 @@ class WorkerHost:
         return chosen
 
     def disable_sequence_parallel(self) -> bool:
-        """The critic's ranks fall back to whole sequences (see ulysses.SequenceParallel); whether SP was on."""
-        critic = self.workers.get("critic")
-        return critic.sp.disable() if critic is not None else False
+        """The trained roles here fall back to whole sequences (see ulysses.SequenceParallel); whether SP was on."""
+        was = [w.sp.disable() for r, w in self.workers.items() if r in ("actor_rollout", "critic")]
+        return any(was)
 
     # -- dataflow ---------------------------------------------------------------------------------
 

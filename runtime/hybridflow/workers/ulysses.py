@@ -23,8 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridflow.plan import SP_FIELD
+from hybridflow.plan import SP_FIELDS
 from hybridflow.workers.modeling import position_ids
+
+SP_FIELD = SP_FIELDS["critic"]
+"""The field named when a caller names none."""
 
 ULYSSES = "hybridflow_ulysses"
 """The key of the attention (and its mask) in transformers' registries."""
@@ -243,17 +246,20 @@ def _attention_of(model: torch.nn.Module, implementation: str) -> Iterator[None]
             c._attn_implementation = o
 
 
-SliceForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(input_ids [B, S/P], position_ids [B, S/P]) -> per-token output [B, S/P, ...] of the model."""
+SliceForward = Callable[..., torch.Tensor]
+"""(input_ids [B, S/P], position_ids [B, S/P], *aligned slices [B, S/P, ...]) -> per-token output
+[B, S/P, ...] of the model."""
 
 
 def sequence_parallel_forward(model: torch.nn.Module, forward: SliceForward, input_ids: torch.Tensor,
-                              attention_mask: torch.Tensor, group: Any) -> torch.Tensor:
+                              attention_mask: torch.Tensor, group: Any,
+                              aligned: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """The model's per-token output over the whole sequence, computed 1/P per rank; [B, S, ...].
 
     Every rank of `group` must call this with the same rows. The sequence is right-padded to a multiple
     of P; each rank runs its slice with its global positions (RoPE sees the true offsets), attention goes
-    through `ulysses_attention`, and the slices' outputs are gathered and the padding cut off.
+    through `ulysses_attention`, and the slices' outputs are gathered and the padding cut off. `aligned`
+    tensors ([B, S, ...], e.g. the next-token labels) are cut like the sequence and passed to `forward`.
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     seq = input_ids.shape[1]
@@ -266,7 +272,8 @@ def sequence_parallel_forward(model: torch.nn.Module, forward: SliceForward, inp
     token = _ACTIVE.set(active)
     try:
         with _attention_of(model, ULYSSES):
-            local = forward(shard_sequence(ids, rank, size), shard_sequence(pos, rank, size))
+            local = forward(shard_sequence(ids, rank, size), shard_sequence(pos, rank, size),
+                            *(shard_sequence(pad_sequence(t, size), rank, size) for t in aligned))
     finally:
         _ACTIVE.reset(token)
     return gather_sequence(local, 1, group).narrow(1, 0, seq)
@@ -283,20 +290,26 @@ def check_same_rows(input_ids: torch.Tensor, group: Any, field: str = SP_FIELD) 
                                     f"({[s.tolist() for s in seen]}); each group needs one shard")
 
 
-TokenModel = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
-"""(input_ids, attention_mask or None, positions or None) -> a per-token output [B, S, ...]."""
+TokenModel = Callable[..., torch.Tensor]
+"""(input_ids, attention_mask or None, positions or None, *aligned) -> a per-token output [B, S, ...]."""
 
 
 def forward_tokens(model: TokenModel, sp: SequenceParallel, input_ids: torch.Tensor,
-                   attention_mask: torch.Tensor) -> torch.Tensor:
-    """`model`'s per-token output: split over this rank's SP group when SP is on, else the plain forward."""
+                   attention_mask: torch.Tensor, aligned: tuple[torch.Tensor, ...] = (),
+                   module: torch.nn.Module | None = None) -> torch.Tensor:
+    """`model`'s per-token output: split over this rank's SP group when SP is on, else the plain forward.
+
+    `aligned` per-token tensors are cut as the sequence is; `module` is the network whose attention SP
+    replaces, when `model` is a function around it rather than the module itself.
+    """
     group = sp.group()
     if group is None:
-        return model(input_ids, attention_mask, None)
+        return model(input_ids, attention_mask, None, *aligned)
     check_same_rows(input_ids, group, sp.field)
-    assert isinstance(model, torch.nn.Module)
-    return sequence_parallel_forward(model, lambda ids, pos: model(ids, None, pos), input_ids, attention_mask,
-                                     group)
+    network = module if module is not None else model
+    assert isinstance(network, torch.nn.Module)
+    return sequence_parallel_forward(network, lambda ids, pos, *cut: model(ids, None, pos, *cut), input_ids,
+                                     attention_mask, group, aligned)
 
 
 # -- groups -----------------------------------------------------------------------------------------
