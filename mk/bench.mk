@@ -11,10 +11,13 @@
 #   make bench-offpolicy                    strong vs eventual consistency (one-step off-policy pipelining) on a
 #                                           three-raylet local cluster, both workloads (~6 minutes):
 #                                           results/offpolicy.json, offpolicy.png
+#   make bench-dispatch                     a remote step's micro-batches dispatched streamed vs serially across
+#                                           raylets: does the next transfer overlap the current compute (~1
+#                                           minute): results/dispatch.json, dispatch.png
 
 BENCH_ARGS ?=
 
-.PHONY: bench-runtime bench-weight-sync bench-offpolicy
+.PHONY: bench-runtime bench-weight-sync bench-offpolicy bench-dispatch
 
 bench-runtime: venv
 	$(PYTHON) -m benchmarks.runtime $(BENCH_ARGS)
@@ -24,3 +27,6 @@ bench-weight-sync: venv
 
 bench-offpolicy: venv
 	$(PYTHON) -m benchmarks.offpolicy $(BENCH_ARGS)
+
+bench-dispatch: venv
+	$(PYTHON) -m benchmarks.dispatch

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import offpolicy, runtime, weight_sync
+from benchmarks import dispatch, offpolicy, runtime, weight_sync
 from benchmarks.operator import report
 from benchmarks.operator.summarise import FormatError, check_format, summarise
 
@@ -41,6 +41,16 @@ def test_weight_sync_section_is_rendered_from_weight_sync_json() -> None:
     assert fsdp["slices_match"]
     for case in (plain, fsdp):  # streaming never holds more than a full copy does
         assert case["bucketed"]["peak_extra_mib"] < case["full_copy"]["peak_extra_mib"]
+
+
+def test_dispatch_section_is_rendered_from_dispatch_json() -> None:
+    results = json.loads((RESULTS / "dispatch.json").read_text())
+    assert results["format"] == dispatch.FORMAT and len(results["cases"]) == len(dispatch.SIZES)
+    assert dispatch.render(results) == section(dispatch.BEGIN, dispatch.END)
+    for case in results["cases"]:  # streamed, every next chunk arrived during the call before it; serial, none did
+        assert all(a is not None for a in case["streamed"]["next_arrived_s"])
+        assert all(a is None for a in case["serial"]["next_arrived_s"])
+    assert (RESULTS / "dispatch.png").is_file()
 
 
 def test_offpolicy_section_is_rendered_from_offpolicy_json() -> None:
