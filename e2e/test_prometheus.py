@@ -48,23 +48,30 @@ def poll(check: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
     raise AssertionError(f"{what}: not within {timeout:.0f} s (last: {last!r})")
 
 
+WINDOW = "$window"
+
+
 def panel_queries() -> list[tuple[str, str]]:
-    """(panel title, PromQL) of every target of the dashboard, its variables given values for all jobs and a
-    window that spans the test."""
+    """(panel title, PromQL) of every target of the dashboard, its variables given values for all jobs; the
+    window is left as WINDOW, to span the test when queried (a rate over a window the run's steps have left
+    is 0/0)."""
     dashboard = json.loads(DASHBOARD.read_text())
     out = []
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
-            expr = (target["expr"].replace("$training_job", ".*").replace("$__rate_interval", "5m")
-                    .replace("$__range", "5m"))
+            expr = (target["expr"].replace("$training_job", ".*").replace("$__rate_interval", WINDOW)
+                    .replace("$__range", WINDOW))
             out.append((panel["title"], expr))
     return out
 
 
 def training_doc(name: str, tmp_path: Path) -> dict[str, Any]:
-    """The tiny PPO job with its reward on a node of its own, so a data edge goes through the object store."""
+    """The tiny PPO job with its reward on a node of its own, so a data edge goes through the object store. The
+    reward is slowed so that the run spans several scrapes: a counter Prometheus first sees at its final value
+    has no rate."""
     doc = yaml.safe_load((ROOT / "examples" / "tiny-ppo-remote-reward.yaml").read_text())
     doc["metadata"]["name"] = name
+    doc["spec"]["reward"]["function"] = "tests.slow_reward:score"
     doc["spec"]["scheduling"] = {"microBatchSize": 8}
     doc["spec"]["trainer"].update(totalSteps=STEPS, resume="never",
                                   checkpoint={"every": 0, "path": str(tmp_path / "ckpt")})
@@ -158,6 +165,7 @@ def test_every_dashboard_query_returns_data_from_a_live_run_and_the_operator(
         "operator": {"targets": [f"127.0.0.1:{operator.metrics_port}"]},
     }).start()
     trainer = None
+    started = time.monotonic()
     try:
         poll(lambda: all(prom.targets_up().values()) and len(prom.targets_up()) == 2, "both targets up")
         apply_job(kuberay_crds, namespace, "metrics-a")
@@ -190,9 +198,12 @@ def test_every_dashboard_query_returns_data_from_a_live_run_and_the_operator(
         assert value(prom.query('sum(hybridflow_operator_api_requests_total{verb="create"})')) >= 2
 
         missing: dict[str, str] = {}
+        def since_start(expr: str) -> str:
+            return expr.replace(WINDOW, f"{math.ceil(time.monotonic() - started) + 60}s")
+
         for title, expr in panel_queries():
             try:
-                poll(lambda e=expr: finite(prom.query(e)), f"panel {title!r}", timeout=60)
+                poll(lambda e=expr: finite(prom.query(since_start(e))), f"panel {title!r}", timeout=120)
             except AssertionError as e:
                 missing[title] = f"{expr}: {e}"
         assert not missing, "dashboard queries without data:\n" + "\n".join(missing.values())
