@@ -97,13 +97,23 @@ def ppo_doc(example_doc: Any, sp: Any, critic_node: bool = True, critic_parallel
     return doc
 
 
-def test_spec_takes_a_size_and_rejects_nonsense(example_doc: Any) -> None:
-    assert parse_job(ppo_doc(example_doc, 2)).spec.model.critic.sequence_parallel == 2
-    assert parse_job(example_doc("tiny-ppo.yaml")).spec.model.critic.sequence_parallel == 1
+def grpo_doc(example_doc: Any, sp: Any) -> dict:
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["model"]["policy"]["sequenceParallel"] = sp
+    return doc
+
+
+@pytest.mark.parametrize("role", ["critic", "policy"])
+def test_spec_takes_a_size_and_rejects_nonsense(example_doc: Any, role: str) -> None:
+    def with_size(sp: Any) -> dict:
+        return ppo_doc(example_doc, sp) if role == "critic" else grpo_doc(example_doc, sp)
+
+    assert getattr(parse_job(with_size(2)).spec.model, role).sequence_parallel == 2
+    assert getattr(parse_job(example_doc("tiny-ppo.yaml")).spec.model, role).sequence_parallel == 1
     for bad in (0, "two", 1000):
         with pytest.raises(SpecError) as e:
-            parse_job(ppo_doc(example_doc, bad))
-        assert "spec.model.critic.sequenceParallel" in str(e.value)
+            parse_job(with_size(bad))
+        assert f"spec.model.{role}.sequenceParallel" in str(e.value)
 
 
 def test_plan_takes_sp_on_a_separate_critic(example_doc: Any) -> None:
@@ -128,19 +138,7 @@ def test_plan_rejects_sp_the_ranks_cannot_take(example_doc: Any) -> None:
                for p in e.value.problems)
 
 
-def grpo_doc(example_doc: Any, sp: Any) -> dict:
-    doc = example_doc("tiny-grpo.yaml")
-    doc["spec"]["model"]["policy"]["sequenceParallel"] = sp
-    return doc
-
-
-def test_policy_sp_is_a_spec_field_and_needs_a_multiple_of_actor_ranks(example_doc: Any) -> None:
-    assert parse_job(grpo_doc(example_doc, 2)).spec.model.policy.sequence_parallel == 2
-    assert parse_job(example_doc("tiny-grpo.yaml")).spec.model.policy.sequence_parallel == 1
-    for bad in (0, "two", 1000):
-        with pytest.raises(SpecError) as e:
-            parse_job(grpo_doc(example_doc, bad))
-        assert "spec.model.policy.sequenceParallel" in str(e.value)
+def test_policy_sp_needs_a_multiple_of_actor_ranks(example_doc: Any) -> None:
     spec = parse_job(grpo_doc(example_doc, 2)).spec
     plan = step_plan(trainable_graph(spec, "CPU", parallelism=4), spec)
     assert not plan.fused and plan.actor.parallelism == 4
