@@ -20,6 +20,7 @@ from hybridflow import algos
 from hybridflow.advantages import compute_advantages
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.data.prompts import PromptSampler, load_rows
+from hybridflow.plan import old_log_probs_from_update
 from hybridflow.workers.actor import ActorRolloutWorker, ReferenceWorker
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.modeling import pick_device, prepare_process
@@ -91,6 +92,7 @@ def run_naive(spec: RLTrainingJobSpec, steps: int, use_gpu: bool = False) -> Nai
     sampler = PromptSampler(rows, spec.data.batch_size, seed, spec.data.shuffle)
     kl_ctl = algos.FixedKLController(spec.algorithm.kl_penalty.coef)
     n = spec.rollout.samples_per_prompt
+    separate_old_pass = not old_log_probs_from_update(spec, lag=0)  # the same work as hybridflow's plan
     result = NaiveResult()
     try:
         ray.get([h.ready.remote() for h in (actor, reward, reference) if h is not None])
@@ -101,8 +103,9 @@ def run_naive(spec: RLTrainingJobSpec, steps: int, use_gpu: bool = False) -> Nai
             gids = [i for i in range(len(prompts)) for _ in range(n)]
             batch: RolloutBatch = ray.get(actor.call.remote("generate", batch_rows, gids))
             ref = ray.put(batch)
-            calls = {"reward": reward.call.remote("score", ref),
-                     "old_log_probs": actor.call.remote("old_log_probs", ref)}
+            calls = {"reward": reward.call.remote("score", ref)}
+            if separate_old_pass:
+                calls["old_log_probs"] = actor.call.remote("old_log_probs", ref)
             if reference is not None:
                 calls["ref_log_probs"] = reference.call.remote("ref_log_probs", ref)
             parts = dict(zip(calls, ray.get(list(calls.values())), strict=True))
@@ -113,8 +116,9 @@ def run_naive(spec: RLTrainingJobSpec, steps: int, use_gpu: bool = False) -> Nai
             t_adv = time.perf_counter() - t_adv
             upd, update_s = ray.get(actor.timed_update.remote(ray.put(batch), kl_ctl.value))
             elapsed = time.perf_counter() - t0
-            if "kl" in adv:
-                kl_ctl.update(adv["kl"], len(batch))
+            kl = adv.get("kl", upd.get("kl"))
+            if kl is not None:
+                kl_ctl.update(kl, len(batch))
             # worker compute on the critical path: generate, then the slowest of the parallel scorers
             scorers = {k: p.timings[k] for k, p in parts.items()}
             compute = batch.timings["generate"] + max(scorers.values()) + t_adv + update_s
@@ -123,7 +127,7 @@ def run_naive(spec: RLTrainingJobSpec, steps: int, use_gpu: bool = False) -> Nai
             result.records.append({
                 "step": step,
                 "reward_mean": float(batch.tensors["scores"].mean()),
-                "kl": adv.get("kl", 0.0),
+                "kl": kl or 0.0,
                 "actor_loss": upd.get("actor_loss"),
                 "response_length": float(mask.sum(-1).mean()),
                 "tokens": tokens,

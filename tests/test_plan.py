@@ -16,6 +16,7 @@ from hybridflow.plan import (
     REQUIRED_ROLES,
     STEP_OF_ROLE,
     STEPS,
+    old_log_probs_from_update,
     resource_plan,
     step_plan,
     trainable_graph,
@@ -135,6 +136,26 @@ def test_grpo_on_one_actor_is_one_call_per_step(example_doc) -> None:
     assert plan.phases == ("rollout", "advantages", "update")
     assert plan.fused and plan.critic is None and plan.remote == ()
     assert [n.name for n in plan.trained] == ["actor_rollout"]
+
+
+ONE_STEP = {"miniBatchSize": 256}  # the tiny GRPO job's whole batch: one optimiser step per batch
+
+
+@pytest.mark.parametrize(("algorithm", "lag", "separate_pass"), [
+    ({}, 0, True),  # two minibatches: the second is taken after a step
+    (ONE_STEP, 0, False),
+    (ONE_STEP | {"ppoEpochs": 2}, 0, True),
+    (ONE_STEP, 1, True),  # pipelined: the batch comes from the policy before
+    (ONE_STEP | {"klPenalty": {"coef": 0.01, "mode": "reward"}}, 0, True),  # the advantages need them
+    (ONE_STEP | {"klPenalty": {"coef": 0.0, "mode": "reward"}}, 0, False),
+])
+def test_old_log_probs_get_a_pass_of_their_own_unless_the_update_is_one_on_policy_step(
+        example_doc, algorithm: dict, lag: int, separate_pass: bool) -> None:
+    spec = spec_of(example_doc, "tiny-grpo.yaml", **algorithm)
+    assert old_log_probs_from_update(spec, lag) is not separate_pass
+    if not lag:
+        plan = step_plan(trainable_graph(spec, "CPU"), spec)
+        assert ("old_log_probs" in plan.colocated) is separate_pass
 
 
 def test_ppo_with_its_own_critic_runs_a_values_phase(example_doc) -> None:

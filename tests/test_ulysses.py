@@ -16,7 +16,7 @@ from hybridflow.api import parse_job
 from hybridflow.api.load import SpecError
 from hybridflow.data.tiny import ensure_tiny_model
 from hybridflow.graph import GraphError
-from hybridflow.plan import step_plan, trainable_graph
+from hybridflow.plan import SP_FIELDS, step_plan, trainable_graph
 from hybridflow.workers import ulysses
 from hybridflow.workers.distributed import free_port
 
@@ -59,18 +59,19 @@ def test_mask_is_causal_over_tokens_and_never_empty() -> None:
 ])
 def test_bad_head_splits_name_the_field(heads: int, kv: int, size: int, expect: str) -> None:
     with pytest.raises(ulysses.SequenceParallelError) as e:
-        ulysses.check_heads(heads, kv, size)
+        ulysses.check_heads(heads, kv, size, SP_FIELDS["critic"])
     assert str(e.value).startswith("spec.model.critic.sequenceParallel: ") and expect in str(e.value)
 
 
 def test_fewer_kv_heads_than_ranks_is_allowed() -> None:
-    ulysses.check_heads(8, 2, 4)  # key/value heads are repeated up to 8 before the all-to-all
-    ulysses.check_heads(8, 1, 8)
+    ulysses.check_heads(8, 2, 4, SP_FIELDS["critic"])  # key/value heads are repeated up to 8 before the all-to-all
+    ulysses.check_heads(8, 1, 8, SP_FIELDS["critic"])
 
 
 def test_world_not_a_multiple() -> None:
-    with pytest.raises(ulysses.SequenceParallelError, match=r"sequenceParallel: 2 does not divide the 3 "):
-        ulysses.check_world(3, 2)
+    with pytest.raises(ulysses.SequenceParallelError,
+                       match=r"^spec.model.policy.sequenceParallel: 2 does not divide the 3 "):
+        ulysses.check_world(3, 2, SP_FIELDS["actor_rollout"])
 
 
 # -- the spec and the plan -------------------------------------------------------------------------

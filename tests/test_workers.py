@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -87,6 +89,33 @@ def test_one_critic_free_step_in_process(example_doc, name: str, policy_loss: st
     assert {"actor_loss", "clip_frac", "approx_kl", "ratio_mean"} <= set(out)
     after = list(actor.workers["actor_rollout"].model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_one_on_policy_step_takes_its_old_log_probs_from_its_own_forward_pass(example_doc) -> None:
+    """One optimiser step per batch: the update's forward, detached, stands in for the pass of old log-probs,
+    and gives the same loss, step and KL to the reference as a separate pass."""
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["data"]["batchSize"] = 4
+    doc["spec"]["rollout"]["samplesPerPrompt"] = 4
+    doc["spec"]["algorithm"]["miniBatchSize"] = 16
+    spec = parse_job(doc).spec
+    fused, separate = (WorkerHost(spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False) for _ in range(2))
+    assert fused.workers["actor_rollout"].old_from_update
+    separate.workers["actor_rollout"].old_from_update = False
+    r, _ = rows(4)
+    batch = fused.rollout([row for row in r for _ in range(4)], [i for i in range(4) for _ in range(4)],
+                          ["reward", "reference"])
+    scored = separate.workers["actor_rollout"].old_log_probs(copy.deepcopy(batch))
+    by_pass = compute_advantages(scored, spec, kl_coef=0.001)
+    assert "kl" not in compute_advantages(batch, spec, kl_coef=0.001)
+    mine, theirs = fused.update(batch, 0.001).metrics, separate.update(scored, 0.001).metrics
+    assert mine["kl"] == pytest.approx(by_pass["kl"], rel=1e-5, abs=1e-8)
+    for key in ("actor_loss", "kl_loss", "entropy", "ratio_mean", "actor_grad_norm"):
+        assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+    assert mine["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+    for a, b in zip(fused.workers["actor_rollout"].model.parameters(),
+                    separate.workers["actor_rollout"].model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_training_on_another_policy_version_is_an_error(ppo_spec) -> None:

@@ -269,7 +269,7 @@ def case_gqa(rank: int) -> dict[str, Any]:
                              num_attention_heads=4, num_key_value_heads=kv, max_position_embeddings=64)
         config._attn_implementation = "sdpa"
         model = LlamaModel(config)
-        ulysses.check_heads(*ulysses.model_heads(config), SP)
+        ulysses.check_heads(*ulysses.model_heads(config), SP, "model.sequenceParallel")
         ulysses.register()
         results = []
         for sp in (True, False):

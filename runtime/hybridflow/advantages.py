@@ -8,7 +8,8 @@ from hybridflow.workers.batch import RolloutBatch
 
 
 def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: float) -> dict[str, float]:
-    """Token rewards (score on the last token, minus beta*KL when mode=reward), then the algorithm's estimator.
+    """Token rewards (score on the last token, minus beta*KL when mode=reward), then the algorithm's estimator;
+    `kl` is the batch's mean KL of the old policy to the reference.
 
     ppo: GAE on the critic's values; grpo, rloo, reinforce_plus_plus_baseline: one advantage per sequence
     from its group (the sum of its token rewards against the other samples of its prompt), on every
@@ -19,7 +20,8 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
     scores = batch.tensors["scores"]
     token_rewards = algos.scores_to_token_rewards(scores, mask)
     out: dict[str, float] = {}
-    if "ref_log_probs" in batch.tensors:
+    # without old log-probs the update scores them and measures the KL (plan.old_log_probs_from_update)
+    if "ref_log_probs" in batch.tensors and (algo.kl_penalty.mode == "reward" or "old_log_probs" in batch.tensors):
         old, ref = batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"]
         if algo.kl_penalty.mode == "reward":
             token_rewards, kl = algos.apply_kl_to_rewards(token_rewards, old, ref, mask, kl_coef, algo.kl_penalty.type)

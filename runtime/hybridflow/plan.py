@@ -93,6 +93,20 @@ def sequences_per_step(spec: RLTrainingJobSpec) -> int:
     return spec.data.batch_size * spec.rollout.samples_per_prompt
 
 
+def optimizer_steps(spec: RLTrainingJobSpec) -> int:
+    """Minibatches per epoch over the global batch: ceil(B * n / miniBatchSize)."""
+    return -(-sequences_per_step(spec) // (spec.algorithm.mini_batch_size or sequences_per_step(spec)))
+
+
+def old_log_probs_from_update(spec: RLTrainingJobSpec, lag: int) -> bool:
+    """Whether the update takes the old log-probs from its own forward pass, detached, instead of a pass of
+    their own: on-policy (lag 0) with one optimiser step per batch (ppoEpochs 1, one minibatch), every forward
+    of the update runs on the weights that generated the batch, so pi_old = pi and the ratio is 1. A KL
+    penalty in the reward needs them before the advantages, so it keeps the pass."""
+    kl_in_reward = needs_reference(spec) and spec.algorithm.kl_penalty.mode == "reward"
+    return lag == 0 and spec.algorithm.ppo_epochs == 1 and optimizer_steps(spec) == 1 and not kl_in_reward
+
+
 # -- the rules ------------------------------------------------------------------------------------
 
 
@@ -315,14 +329,15 @@ def step_plan(graph: DataflowGraph, spec: RLTrainingJobSpec) -> StepPlan:
             colocated.append(step.name)
         elif node.role != "critic":
             remote.append(RemoteStep(step, node, f"{actor.name}->{node.name}"))
-    colocated.append(STEP_OF_ROLE["actor_rollout"].name)
+    lag = policy_lag(graph)
+    if not old_log_probs_from_update(spec, lag):
+        colocated.append(STEP_OF_ROLE["actor_rollout"].name)
     separate_critic = critic is not None and critic.name not in shared
     phases: tuple[Phase, ...] = ("rollout", "values", "advantages", "update") if separate_critic else (
         "rollout", "advantages", "update")
     fused = (actor.parallelism == 1 and not remote and not separate_critic
              and spec.scheduling.micro_batch_size is None)
     trained = (actor, critic) if separate_critic and critic is not None else (actor,)
-    lag = policy_lag(graph)
     reads_trained = {"values"} | ({"reference"} if reference_in_policy(spec) else set())
     late = tuple(s for s in colocated if lag and s in reads_trained)
     return StepPlan(actor, critic, tuple(s for s in colocated if s not in late), tuple(remote), trained, phases,

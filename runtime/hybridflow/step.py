@@ -81,6 +81,12 @@ class StepOutput:
         self.seconds[phase] = seconds
         self.compute += compute
 
+    @property
+    def kl(self) -> float | None:
+        """The batch's mean KL to the reference (None without one): measured on the old log-probs, by the
+        advantages or, when it scored them itself, by the update."""
+        return self.advantages.get("kl", self.update.get("kl"))
+
 
 Prompts = tuple[list[dict[str, str]], list[int]]
 """Rows and their group ids: what a rollout answers."""
@@ -148,7 +154,7 @@ def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> d
         "step": step,
         "reward_mean": stats["reward_mean"],
         "reward_max": stats["reward_max"],
-        "kl": adv.get("kl", 0.0),
+        "kl": out.kl or 0.0,
         "kl_coef": float(kl_coef),
         "actor_loss": upd.get("actor_loss"),
         "critic_loss": upd.get("critic_loss"),

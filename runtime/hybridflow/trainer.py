@@ -377,8 +377,8 @@ class Trainer:
         else:
             out = run_step(self, self.plan.phases, rows, gids, self.spec, kl_coef, self._next)
         elapsed = time.perf_counter() - t0
-        if "kl" in out.advantages:
-            self.kl_ctl.update(out.advantages["kl"], int(out.stats["size"]))
+        if out.kl is not None:
+            self.kl_ctl.update(out.kl, int(out.stats["size"]))
         record = step_record(step, out, elapsed, self.kl_ctl.value)
         assert out.sync is not None
         self._policy_syncs.record(out.sync.version, out.sync.bytes, out.sync.seconds, record["policy_lag"])

@@ -10,7 +10,7 @@ import torch
 from hybridflow import algos
 from hybridflow.algos import entropy_from_logits, logprobs_from_logits
 from hybridflow.api.spec import RLTrainingJobSpec
-from hybridflow.plan import SP_FIELDS
+from hybridflow.plan import SP_FIELDS, old_log_probs_from_update, optimizer_steps
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
 from hybridflow.workers.footprint import training_footprint
 from hybridflow.workers.modeling import (
@@ -26,13 +26,6 @@ from hybridflow.workers.optim import train_epochs
 from hybridflow.workers.rollout import Sampling, make_rollout
 from hybridflow.workers.training import RoleTraining
 from hybridflow.workers.ulysses import SequenceParallel, forward_tokens
-
-
-def optimizer_steps(spec: RLTrainingJobSpec) -> int:
-    """Minibatches per epoch over the global batch: ceil(B * n / miniBatchSize)."""
-    total = spec.data.batch_size * spec.rollout.samples_per_prompt
-    mbs = spec.algorithm.mini_batch_size or total
-    return -(-total // mbs)
 
 
 def policy_log_probs(module: torch.nn.Module, sp: SequenceParallel, batch: RolloutBatch, device: torch.device,
@@ -60,10 +53,11 @@ class ActorRolloutWorker:
     `version` counts updates. With `lag` 0 every batch it trains on must carry that version; with lag 1
     (consistency eventual) generation runs a copy of the policy that the control edge's sync refreshes, so a
     batch may come from the version before: its old log-probs are then the generating policy's, and the
-    update corrects for it as decoupled PPO does (`_decouple`). With spec.model.policy.lora the module carries
-    adapters and the optimizer holds only their parameters. The training passes run sequence-parallel when
-    spec.model.policy.sequenceParallel is above 1; `shuffle_seed` (default `seed`) must then be the same on the
-    ranks of a group, so that they cut the same minibatches.
+    update corrects for it as decoupled PPO does (`_decouple`). Where `plan.old_log_probs_from_update` holds,
+    the update takes them from its own forward pass and reports the batch's KL to the reference itself. With
+    spec.model.policy.lora the module carries adapters and the optimizer holds only their parameters. The
+    training passes run sequence-parallel when spec.model.policy.sequenceParallel is above 1; `shuffle_seed`
+    (default `seed`) must then be the same on the ranks of a group, so that they cut the same minibatches.
     """
 
     def __init__(self, spec: RLTrainingJobSpec, device: torch.device, seed: int = 0, lag: int = 0,
@@ -83,6 +77,7 @@ class ActorRolloutWorker:
         """The module that generates: old log-probs are its own, the policy the samples came from."""
         self.eval_sampling = Sampling.for_eval(spec.trainer.eval, spec.rollout)
         self.version = 0
+        self.old_from_update = old_log_probs_from_update(spec, lag)
         self.shuffle = torch.Generator().manual_seed(seed if shuffle_seed is None else shuffle_seed)
         self.sp = SequenceParallel.for_model(spec.model.policy.sequence_parallel, self.model.config,
                                              SP_FIELDS["actor_rollout"])
@@ -142,7 +137,8 @@ class ActorRolloutWorker:
             logp, ent = policy_log_probs(self.training.module, self.sp, mb, self.device, with_entropy=True)
             assert ent is not None
             m = mb.response_mask.float().to(self.device)
-            old, adv = mb.tensors["old_log_probs"].to(self.device), mb.tensors["advantages"].to(self.device)
+            old = logp.detach() if self.old_from_update else mb.tensors["old_log_probs"].to(self.device)
+            adv = mb.tensors["advantages"].to(self.device)
             w = mb.tensors["behaviour_weights"].to(self.device) if "behaviour_weights" in mb.tensors else None
             clip_high = algo.clip_ratio_high or algo.clip_ratio
             if algo.policy_loss == "gspo":
@@ -156,13 +152,14 @@ class ActorRolloutWorker:
                 metrics["behaviour_weight_mean"] = algos.masked_mean(w, m).item()
             entropy = algos.agg_loss(ent, m, algo.loss_agg)
             total = loss - algo.entropy_coef * entropy
-            if algo.kl_penalty.mode == "loss" and "ref_log_probs" in mb.tensors:
-                kl = algos.agg_loss(
-                    algos.kl_penalty(logp, mb.tensors["ref_log_probs"].to(self.device), algo.kl_penalty.type),
-                    m, algo.loss_agg,
-                )
-                total = total + kl_coef * kl
-                metrics["kl_loss"] = kl.item()
+            if "ref_log_probs" in mb.tensors:
+                token_kl = algos.kl_penalty(logp, mb.tensors["ref_log_probs"].to(self.device), algo.kl_penalty.type)
+                if self.old_from_update:  # what compute_advantages measures from the old log-probs otherwise
+                    metrics["kl"] = algos.masked_mean(token_kl.detach(), m).item()
+                if algo.kl_penalty.mode == "loss":
+                    kl = algos.agg_loss(token_kl, m, algo.loss_agg)
+                    total = total + kl_coef * kl
+                    metrics["kl_loss"] = kl.item()
             metrics.update(actor_loss=loss.item(), entropy=entropy.item())
             return total, metrics
 

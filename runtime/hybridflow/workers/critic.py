@@ -9,7 +9,7 @@ import torch
 
 from hybridflow import algos
 from hybridflow.api.spec import RLTrainingJobSpec
-from hybridflow.workers.actor import optimizer_steps
+from hybridflow.plan import SP_FIELDS, optimizer_steps
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.modeling import DTYPES, check_model_dir, position_ids
 from hybridflow.workers.optim import train_epochs
@@ -52,7 +52,8 @@ class CriticWorker:
         self.training = RoleTraining(self.model, lr=spec.trainer.critic_lr, options=spec.trainer.training,
                                      device=device)
         self.shuffle = torch.Generator().manual_seed(seed + 7919)
-        self.sp = SequenceParallel.for_model(spec.model.critic.sequence_parallel, self.model.backbone.config)
+        self.sp = SequenceParallel.for_model(spec.model.critic.sequence_parallel, self.model.backbone.config,
+                                             SP_FIELDS["critic"])
 
     def _values(self, batch: RolloutBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Values of the states that precede each response token: positions P-1 .. P+R-2."""

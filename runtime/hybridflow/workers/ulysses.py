@@ -23,11 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridflow.plan import SP_FIELDS
 from hybridflow.workers.modeling import position_ids
-
-SP_FIELD = SP_FIELDS["critic"]
-"""The field named when a caller names none."""
 
 ULYSSES = "hybridflow_ulysses"
 """The key of the attention (and its mask) in transformers' registries."""
@@ -143,7 +139,7 @@ def key_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 # -- checks (pure) ----------------------------------------------------------------------------------
 
-def check_heads(num_heads: int, num_kv_heads: int, size: int, field: str = SP_FIELD) -> None:
+def check_heads(num_heads: int, num_kv_heads: int, size: int, field: str) -> None:
     """Heads split over the SP ranks: H % P == 0; KV heads that do not split are repeated to H."""
     if size < 1:
         raise SequenceParallelError(f"{field}: {size} is not a size; allowed: an integer >= 1")
@@ -156,7 +152,7 @@ def check_heads(num_heads: int, num_kv_heads: int, size: int, field: str = SP_FI
                                     f"{num_heads} attention heads")
 
 
-def check_world(world: int, size: int, field: str = SP_FIELD) -> None:
+def check_world(world: int, size: int, field: str) -> None:
     """SP groups are consecutive ranks of the data-parallel group: P must divide its world size."""
     if world % size:
         raise SequenceParallelError(f"{field}: {size} does not divide the {world} data-parallel ranks of the "
@@ -279,7 +275,7 @@ def sequence_parallel_forward(model: torch.nn.Module, forward: SliceForward, inp
     return gather_sequence(local, 1, group).narrow(1, 0, seq)
 
 
-def check_same_rows(input_ids: torch.Tensor, group: Any, field: str = SP_FIELD) -> None:
+def check_same_rows(input_ids: torch.Tensor, group: Any, field: str) -> None:
     """The ranks of an SP group must hold the same rows: compare (rows, length, checksum) over the group."""
     probe = torch.tensor([input_ids.shape[0], input_ids.shape[1], int(input_ids.long().sum())],
                          dtype=torch.long, device=input_ids.device)
@@ -322,14 +318,14 @@ class SequenceParallel:
     the rank falls back to the whole sequence.
     """
 
-    def __init__(self, size: int, field: str = SP_FIELD) -> None:
+    def __init__(self, size: int, field: str) -> None:
         self.size, self.field = int(size), field
         self.enabled = self.size > 1
         self._world: Any = None
         self._group: Any = None
 
     @classmethod
-    def for_model(cls, size: int, config: Any, field: str = SP_FIELD) -> SequenceParallel:
+    def for_model(cls, size: int, config: Any, field: str) -> SequenceParallel:
         """Checked against the model's heads; registers the attention when SP is on."""
         sp = cls(size, field)
         if sp.enabled:
