@@ -279,7 +279,7 @@ def test_activation_memory_per_rank_halves(tmp_path: Path) -> None:
 def test_disable_ulysses_on_a_running_job(example_doc: Any, tmp_path: Path) -> None:
     """The built-in graph with SP=2 for the policy and the critic gives each two ranks that share each shard;
     disable_ulysses applied at a step boundary turns both into two plain data-parallel ranks, the job trains
-    on, and a controller started again on its checkpoint path leaves SP off."""
+    on, a recovery from a lost rank and a controller started again on its checkpoint path leave SP off."""
     import ray
 
     from hybridflow.driver import init_ray
@@ -342,6 +342,12 @@ def _disable_and_restart(doc: dict[str, Any], tmp_path: Path) -> None:
             trainer.control_disable_ulysses("again")
         assert trainer._parallelism_problem("critic", 3) is None
         assert trainer.control_status()["manual"]["sequence_parallel_off"] == both
+        # a rank Ray restarts, and every host reset to the initial weights, comes back at the spec's size: the
+        # recovery tells them again (disable_sequence_parallel answers whether SP was still on)
+        ray.kill(trainer.critic.hosts[1], no_restart=False)
+        trainer._recover(RuntimeError("a critic rank died"))
+        for group in (trainer.critic, trainer.actor):
+            assert ray.get([h.disable_sequence_parallel.remote() for h in group.hosts]) == [False, False]
     finally:
         trainer.shutdown()
     # a controller started again on the same checkpoint path (as Ray restarts one) keeps it off

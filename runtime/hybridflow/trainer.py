@@ -243,12 +243,14 @@ class Trainer:
         return {"changes": changes}
 
     def _replicas(self, group: HostGroup) -> int:
-        """Hosts of `group` that share each shard: its SP size in force. Hosts Ray restarted since SP was turned
-        off came up with the spec's size, so they are told again first."""
-        size = self.sp[group.node]
-        if size < self.sp_asked[group.node]:
-            group.call("disable_sequence_parallel")
-        return size
+        """Hosts of `group` that share each shard: its SP size in force."""
+        return self.sp[group.node]
+
+    def _retell_sequence_parallel_off(self, group: HostGroup, hosts: list[Any]) -> None:
+        """Hosts built after SP was turned off on `group` (restarted by Ray, reset, or added by a scale-up) start
+        at the spec's size; they are told again before they train."""
+        if hosts and self.sp[group.node] < self.sp_asked[group.node]:
+            ray.get([h.disable_sequence_parallel.remote() for h in hosts])
 
     def fit(self) -> dict[str, Any]:
         """Train to totalSteps; requests from outside are applied between steps."""
@@ -506,6 +508,7 @@ class Trainer:
             if len(hosts) > known:
                 state: ray.ObjectRef = hosts[0].export_state.remote()
                 ray.get([h.import_state.remote(state) for h in hosts[known:]])
+                self._retell_sequence_parallel_off(group, hosts[known:])
             self._host_counts[group.node] = len(hosts)
 
     def _steering_failed(self, error: BaseException) -> None:
@@ -646,6 +649,8 @@ class Trainer:
             self.kl_ctl.load_state_dict({"value": self.spec.algorithm.kl_penalty.coef})
             self.metrics.reset()
             self.last_val = {}
+        for group in self.trained:
+            self._retell_sequence_parallel_off(group, group.hosts)
         self._host_counts = {g.node: len(g.hosts) for g in self.trained}  # every rank now holds the same state
         self.scheduler.discard_in_flight()
         self._forget_pipeline()
