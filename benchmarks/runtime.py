@@ -399,6 +399,13 @@ def _fmt(v: Any, spec: str) -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+def _response_tokens(summary: dict[str, Any], warmup: int) -> str:
+    """Mean (fewest-most) response tokens per measured step of the round reported, from its curves."""
+    curves, i = summary["curves"], summary["round_used"] - 1
+    tokens = [t * s for t, s in zip(curves["tokens_per_s"][i], curves["step_s"][i], strict=True)][warmup:]
+    return f"{sum(tokens) / len(tokens):.0f} ({min(tokens):.0f}-{max(tokens):.0f})"
+
+
 def markdown(report: dict[str, Any], text: Text | None = None) -> str:
     """The workload's runtime section of README.md, markers included: table, ratios against targets,
     configuration; the first workload's section also explains the benchmark."""
@@ -431,6 +438,14 @@ def markdown(report: dict[str, Any], text: Text | None = None) -> str:
             bound = per["naive_ray"][0] / (per["hybridflow"][0] * (1 - per["hybridflow"][1]))
             reading += "\n" + text("reading_bound", bound=f"{bound:.2f}")
         paragraphs.append(reading)
+    systems = report["systems"]
+    if "hybridflow" in systems and len(systems) > 1:
+        step = systems["hybridflow"]["median_step_s"]
+        paragraphs.append(text(
+            "step_rate", tokens="; ".join(f"{LABELS[n]} {_response_tokens(s, c['warmup_steps_excluded'])}"
+                                          for n, s in systems.items()),
+            ratios=", ".join(f"hybridflow / {LABELS[n]} {s['median_step_s'] / step:.2f}x"
+                             for n, s in systems.items() if n != "hybridflow")))
     parts = {n: {k.removeprefix("timing/"): t for k, t in s["median_timings_s"].items()
                  if t is not None and k != "timing/rollout"} for n, s in report["systems"].items()}
     paragraphs.append(text("compute", parts="; ".join(
