@@ -28,6 +28,7 @@ import ray
 import torch
 
 from benchmarks.common import write_section
+from hybridflow.metrics import pyplot
 from hybridflow.scheduler.group import HostGroup
 from hybridflow.workers.batch import RolloutBatch
 
@@ -232,10 +233,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [f"{c['chunk_bytes'] / 2**20:.0f} MB" for c in report["cases"]]
     x = range(len(labels))

@@ -40,6 +40,7 @@ from benchmarks.runtime import (
     torch_threads,
     with_threads,
 )
+from hybridflow.metrics import pyplot
 
 FORMAT = 1
 BEGIN, END = "<!-- offpolicy-bench:begin -->", "<!-- offpolicy-bench:end -->"
@@ -192,10 +193,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(report["workloads"])
     fig, ax = plt.subplots(figsize=(6.5, 3.6))

@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 
 from benchmarks.common import RssSampler, Text, write_section
+from hybridflow.metrics import pyplot
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "tiny-grpo.yaml"
@@ -474,10 +475,7 @@ def markdown(report: dict[str, Any], text: Text | None = None) -> str:
 
 def plot(report: dict[str, Any], out: Path) -> Path:
     """Step time per step, tokens/s, reward per step, and where a median step's time goes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     systems = report["systems"]
     warmup = report["config"]["warmup_steps_excluded"]

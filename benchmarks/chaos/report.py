@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.operator.summarise import percentile, rounded
+from hybridflow.metrics import pyplot
 
 BEGIN, END = "<!-- reliability:start -->", "<!-- reliability:end -->"
 ROW_KEYS = ("kind", "injected", "survived", "duplicates", "losses", "recovery_s", "detail")
@@ -89,10 +90,7 @@ def table(doc: Mapping[str, Any]) -> str:
 
 def plot(doc: Mapping[str, Any], path: Path) -> None:
     """Recovery time by fault kind: every sample as a dot, p50 and p95 as ticks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in doc["faults"] if r["recovery_s"]["samples"]]
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.5 * max(1, len(rows))))

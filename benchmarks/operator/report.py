@@ -20,6 +20,7 @@ from benchmarks.operator.summarise import (
     request_groups,
     run_summary,
 )
+from hybridflow.metrics import pyplot
 
 ROOT = Path(__file__).resolve().parents[2]
 BEGIN, END = "<!-- operator-bench:start -->", "<!-- operator-bench:end -->"
@@ -308,10 +309,7 @@ def reflow(markdown: str, width: int = WRAP) -> str:
 
 def plot(doc: Mapping[str, Any], path: Path) -> None:
     """Apply-to-RayJob CDF, time until every pod is bound, the operator's RSS over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sizes = list(doc["sizes"])
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))

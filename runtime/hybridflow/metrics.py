@@ -55,6 +55,17 @@ class MetricsLog:
             self.path.unlink()
 
 
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display), imported at first use so that
+    nothing else pays for it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
 def parse_records(text: str) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl's text. A last line without its newline is being written right now
     (a reader such as the dashboard runs beside the writer), so it is left for the next read."""
@@ -86,10 +97,7 @@ def panels(records: list[dict[str, Any]]) -> list[tuple[str, Series]]:
 
 def metrics_figure(records: list[dict[str, Any]], title: str = "") -> Figure:
     """One panel per metric against step (see `panels`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     shown = panels(records)
     cols = 3
