@@ -192,6 +192,28 @@ def test_trainer_runs_in_process_and_reports_scheduler_status(example_doc, tmp_p
         trainer.shutdown()
 
 
+def test_a_fused_step_is_queued_while_the_one_before_runs_and_the_run_is_the_same(example_doc, tmp_path) -> None:
+    """The tiny GRPO step is one call on one host, so the next one can wait on the host while this one's result
+    comes back and is recorded. Never past a checkpoint (5, 10), an evaluation (4, 8, 10) or the end, and a
+    memory sample (step 1, then every few seconds) waits for an idle host: the run is the one that waits."""
+    runs = {}
+    for ahead in (True, False):
+        job = tiny_job(example_doc, "tiny-grpo.yaml", tmp_path / str(ahead), steps=10, every=5, evalEvery=4)
+        trainer = Trainer(job.model_dump(by_alias=True, mode="json"), str(tmp_path / f"{ahead}.jsonl"))
+        trainer.queue_ahead = ahead
+        try:
+            runs[ahead] = trainer.fit()["records"], trainer.queued_steps, trainer.last_checkpoint
+        finally:
+            trainer.shutdown()
+    (queued, which, ckpt), (waited, none, _) = runs[True], runs[False]
+    assert none == [] and set(which) <= {3, 4, 7, 8, 10} and len(which) >= 3, which
+    assert [r["step"] for r in queued] == list(range(1, 11)) and ckpt is not None and ckpt.endswith("step_00000010")
+    for a, b in zip(queued, waited, strict=True):
+        for key in (*COMPARED, "val/reward_mean"):
+            assert a.get(key) == b.get(key), (a["step"], key)
+    assert all(0.0 <= r["orchestration_overhead_frac"] < 1.0 for r in queued)
+
+
 def test_ppo_with_the_critic_in_the_actors_process_runs_each_step_in_one_call(example_doc, tmp_path) -> None:
     doc = example_doc("tiny-ppo.yaml")
     doc["spec"]["graph"] = {

@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -116,6 +117,13 @@ class Trainer:
         """The data position before `_next` was drawn: where a checkpoint's resumed run draws again."""
         self._ready: list[RolloutBatch] | None = None
         """The batches of `_next`, back from the actor's hosts (a plan that is not fused)."""
+        self.queue_ahead = True
+        """Queue each fused step on the actor's host while the one before it runs (`_may_queue_next`)."""
+        self._queued: _QueuedStep | None = None
+        self._result_at = 0.0
+        """When the last step's result arrived: a queued step's time runs from here."""
+        self.queued_steps: list[int] = []
+        """The steps queued while the one before them ran."""
         self.sampler = PromptSampler(load_prompts(self.spec, "train"), self.spec.data.batch_size, t.seed,
                                      self.spec.data.shuffle)
         self.val_rows = load_prompts(self.spec, "val")
@@ -312,21 +320,32 @@ class Trainer:
             log.warning("could not write the dashboard report: %s", e)
             return None
 
+    def _memory_due(self) -> bool:
+        return self._memory_at is None or time.monotonic() - self._memory_at >= MEMORY_SAMPLE_S
+
     def _maybe_sample_memory(self) -> None:
-        now = time.monotonic()
-        if self._memory_at is None or now - self._memory_at >= MEMORY_SAMPLE_S:
-            self._memory_at = now
+        if self._queued is None and self._memory_due():  # a host answers only between its calls
+            self._memory_at = time.monotonic()
             self.scheduler.sample_memory()
 
     def _loop(self, total: int) -> None:
+        try:
+            self._steps(total)
+        finally:
+            if self._queued is not None:  # the run stops early: a queued step must not run on
+                ray.cancel(self._queued.ref)
+                self._queued = None
+
+    def _steps(self, total: int) -> None:
         while self.step < total:
-            self.steering.serve()
+            if self._queued is None:  # a safe point: nothing is in flight
+                self.steering.serve()
             failed, self._steering_failure = self._steering_failure, None
             if failed is not None and self._worker_died(failed):
                 self._recover(failed)
                 continue
             try:
-                record = self.train_step(self.step + 1)
+                record = self.train_step(self.step + 1, self._may_queue_next(self.step + 1, total))
                 if self.val_rows and eval_due(record["step"], total, self.spec.trainer.eval_every):
                     record |= self.evaluate(record["step"])
             except (*WORKER_LOST, ray.exceptions.RayTaskError) as e:
@@ -360,25 +379,40 @@ class Trainer:
         per = self.spec.scheduling.micro_batch_size or math.ceil((spread or size) / len(self.actor))
         return [(a, min(a + per, size)) for a in range(0, size, per)]
 
-    def train_step(self, step: int) -> dict[str, Any]:
+    def train_step(self, step: int, queue_next: bool = False) -> dict[str, Any]:
         """rollout -> values -> advantages -> update -> sync here over the host groups, or in one call on the
         actor's host when the plan fuses the step; then the record. With plan.lag 1 the next step's prompts
-        are drawn now, and their rollout overlaps this update."""
+        are drawn now, and their rollout overlaps this update. `queue_next` (see `_may_queue_next`) queues
+        step + 1's call on the actor's host before this one's result is awaited; its time then runs from this
+        step's result to its own."""
         t0 = time.perf_counter()
-        rows, gids = self._next or self._prompts()
-        self._next = None
-        if self.plan.lag and step < self.spec.trainer.total_steps:
-            self._data_before_next = self.sampler.state_dict()
-            self._next = self._prompts()
         kl_coef = self.kl_ctl.value
-        if self.plan.fused:
-            out, = self.actor.call("run_step", list(self.plan.phases), rows, gids, list(self.plan.colocated), kl_coef,
-                                   self._next, self.plan.late)
+        queued, self._queued = self._queued, None
+        fused: ray.ObjectRef | None = None
+        if queued is not None:
+            assert queued.step == step, f"step {queued.step} was queued, step {step} asked for"
+            fused, t0 = queued.ref, max(queued.submitted, self._result_at)
+        else:
+            rows, gids = self._next or self._prompts()
+            self._next = None
+            if self.plan.lag and step < self.spec.trainer.total_steps:
+                self._data_before_next = self.sampler.state_dict()
+                self._next = self._prompts()
+            if self.plan.fused:
+                fused = self._submit_fused(rows, gids, kl_coef)
+        if queue_next:
+            data_before = self.sampler.state_dict()
+            self._queued = _QueuedStep(step + 1, self._submit_fused(*self._prompts(), kl_coef), time.perf_counter(),
+                                       data_before)
+            self.queued_steps.append(step + 1)
+        if fused is not None:
+            out = ray.get(fused)
             for channel in self._handed_in_process:
                 channel.record_bytes(out.rollout_bytes)
         else:
             out = run_step(self, self.plan.phases, rows, gids, self.spec, kl_coef, self._next)
-        elapsed = time.perf_counter() - t0
+        self._result_at = time.perf_counter()
+        elapsed = self._result_at - t0
         if out.kl is not None:
             self.kl_ctl.update(out.kl, int(out.stats["size"]))
         record = step_record(step, out, elapsed, self.kl_ctl.value)
@@ -386,13 +420,33 @@ class Trainer:
         self._policy_syncs.record(out.sync.version, out.sync.bytes, out.sync.seconds, record["policy_lag"])
         return record
 
+    def _submit_fused(self, rows: list[dict[str, str]], gids: list[int], kl_coef: float) -> ray.ObjectRef:
+        """The whole step as one call to the actor's single host."""
+        host, = self.actor.hosts
+        return host.run_step.remote(list(self.plan.phases), rows, gids, list(self.plan.colocated), kl_coef,
+                                    self._next, self.plan.late)
+
+    def _may_queue_next(self, step: int, total: int) -> bool:
+        """Whether step + 1 may be queued on the actor's host while `step` runs, so that the controller's round
+        trip and its work between steps overlap the host's compute. Only a fused, on-policy step with a fixed
+        KL coefficient needs nothing from the step before it but the host's own state; and nothing may be due
+        at this step's boundary that needs the host idle or this step's result: a checkpoint, an evaluation,
+        a memory sample, an outside request, the end."""
+        return (self.queue_ahead and self.plan.fused and not self.plan.lag and step < total
+                and not self.spec.algorithm.kl_penalty.adaptive and not self._checkpoint_due(step)
+                and not (self.val_rows and eval_due(step, total, self.spec.trainer.eval_every))
+                and not self._memory_due() and not self.steering.pending())
+
     def _data_state(self) -> dict[str, int]:
         """Where the step after the last finished one draws its prompts (before any drawn ahead)."""
+        if self._queued is not None:
+            return self._queued.data_before
         return self._data_before_next if self._next is not None else self.sampler.state_dict()
 
     def _forget_pipeline(self) -> None:
-        """A rollback: prompts and batches drawn ahead belong to the abandoned run (the hosts drop theirs on load)."""
-        self._next, self._ready = None, None
+        """A rollback: prompts and batches drawn ahead belong to the abandoned run (the hosts drop theirs on load),
+        and a queued step's result is not waited for."""
+        self._next, self._ready, self._queued = None, None, None
 
     def rollout_phase(self, rows: list[dict[str, str]], gids: list[int]) -> tuple[RolloutBatch, float]:
         """Generate in chunks; co-located steps run inside the actor's process, remote ones are streamed
@@ -538,9 +592,12 @@ class Trainer:
 
     # -- checkpoints and recovery -----------------------------------------------------------------
 
-    def _maybe_checkpoint(self) -> None:
+    def _checkpoint_due(self, step: int) -> bool:
         ck = self.spec.trainer.checkpoint
-        if ck.every and (self.step % ck.every == 0 or self.step == self.spec.trainer.total_steps):
+        return bool(ck.every) and (step % ck.every == 0 or step == self.spec.trainer.total_steps)
+
+    def _maybe_checkpoint(self) -> None:
+        if self._checkpoint_due(self.step):
             self.save_checkpoint()
 
     def _instances(self) -> list[tuple[str, Any]]:
@@ -654,6 +711,17 @@ class Trainer:
         self._host_counts = {g.node: len(g.hosts) for g in self.trained}  # every rank now holds the same state
         self.scheduler.discard_in_flight()
         self._forget_pipeline()
+
+
+@dataclass(frozen=True)
+class _QueuedStep:
+    """A fused step's call, queued on the actor's host while the step before it ran."""
+
+    step: int
+    ref: ray.ObjectRef
+    submitted: float
+    data_before: dict[str, int]
+    """The data position before its prompts were drawn: where a resumed run draws them again."""
 
 
 def _write_failure(error: BaseException) -> str | None:

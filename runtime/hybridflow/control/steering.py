@@ -87,6 +87,11 @@ class Steering:
         assert req.result is not None
         return req.result
 
+    def pending(self) -> bool:
+        """Whether a request waits for the next safe point."""
+        with self._lock:
+            return bool(self._pending)
+
     def status(self) -> dict[str, Any]:
         """What was asked for: the targets in force, the nodes with sequence parallelism off and the recent
         requests (oldest first)."""
