@@ -21,6 +21,7 @@ from hybridflow.advantages import compute_advantages
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.data.prompts import PromptSampler, load_rows
 from hybridflow.plan import old_log_probs_from_update
+from hybridflow.step import measured_kl
 from hybridflow.workers.actor import ActorRolloutWorker, ReferenceWorker
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.modeling import pick_device, prepare_process
@@ -116,7 +117,7 @@ def run_naive(spec: RLTrainingJobSpec, steps: int, use_gpu: bool = False) -> Nai
             t_adv = time.perf_counter() - t_adv
             upd, update_s = ray.get(actor.timed_update.remote(ray.put(batch), kl_ctl.value))
             elapsed = time.perf_counter() - t0
-            kl = adv.get("kl", upd.get("kl"))
+            kl = measured_kl(adv, upd)
             if kl is not None:
                 kl_ctl.update(kl, len(batch))
             # worker compute on the critical path: generate, then the slowest of the parallel scorers

@@ -55,7 +55,6 @@ class MetricsLog:
             self.path.unlink()
 
 
-
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend (files only, no display), imported at first use so that
     nothing else pays for it."""
@@ -65,6 +64,7 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
 
 def parse_records(text: str) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl's text. A last line without its newline is being written right now

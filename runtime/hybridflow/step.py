@@ -83,9 +83,13 @@ class StepOutput:
 
     @property
     def kl(self) -> float | None:
-        """The batch's mean KL to the reference (None without one): measured on the old log-probs, by the
-        advantages or, when it scored them itself, by the update."""
-        return self.advantages.get("kl", self.update.get("kl"))
+        return measured_kl(self.advantages, self.update)
+
+
+def measured_kl(advantages: dict[str, float], update: dict[str, float]) -> float | None:
+    """The batch's mean KL to the reference (None without one): measured on the old log-probs, by the
+    advantages or, when it scored them itself, by the update."""
+    return advantages.get("kl", update.get("kl"))
 
 
 Prompts = tuple[list[dict[str, str]], list[int]]
