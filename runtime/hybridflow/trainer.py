@@ -60,6 +60,12 @@ LOST_PROBE_S = 60.0
 takes about 30 s to declare a vanished pod's raylet dead)."""
 MEMORY_SAMPLE_S = 5.0
 """How often the loop asks the hosts for their memory (the dashboard's heatmap): one round trip per host."""
+HANDOVER_S = 0.002
+"""How long the controller sleeps after a result with the next step queued behind it, before its bookkeeping.
+A host whose torch holds every core of the machine it shares with the controller (a laptop run) needs a core
+to hand over from one step to the next; the controller's bookkeeping at that moment starved it, and the host
+then started its queued step about 1.5 ms late. The sleep overlaps the queued step, so it costs nothing while
+it is shorter than a step (it is capped at a tenth of the step's compute)."""
 
 
 def controller_state(step: int, kl_ctl: algos.FixedKLController | algos.AdaptiveKLController,
@@ -407,6 +413,8 @@ class Trainer:
             self.queued_steps.append(step + 1)
         if fused is not None:
             out = ray.get(fused)
+            if self._queued is not None:
+                time.sleep(min(HANDOVER_S, out.compute / 10))
             for channel in self._handed_in_process:
                 channel.record_bytes(out.rollout_bytes)
         else:
