@@ -413,14 +413,14 @@ class Trainer:
             self.queued_steps.append(step + 1)
         if fused is not None:
             out = ray.get(fused)
-            if self._queued is not None:
-                time.sleep(min(HANDOVER_S, out.compute / 10))
             for channel in self._handed_in_process:
                 channel.record_bytes(out.rollout_bytes)
         else:
             out = run_step(self, self.plan.phases, rows, gids, self.spec, kl_coef, self._next)
         self._result_at = time.perf_counter()
         elapsed = self._result_at - t0
+        if self._queued is not None:
+            time.sleep(min(HANDOVER_S, out.compute / 10))
         if out.kl is not None:
             self.kl_ctl.update(out.kl, int(out.stats["size"]))
         record = step_record(step, out, elapsed, self.kl_ctl.value)
