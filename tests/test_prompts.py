@@ -118,10 +118,11 @@ def test_raw_never_uses_the_template(example_doc, chat_model: Path, prompts_file
 
 
 def test_plain_prompts_encode_exactly_as_the_tokenizer_pads_them() -> None:
-    """The default job's prompts: the same ids and mask as one padded tokenizer call (the encoding before)."""
+    """The default job's prompts, each repeated as a group of samples repeats it: the same ids and mask as one
+    padded tokenizer call (the encoding before)."""
     tok = AutoTokenizer.from_pretrained(ensure_tiny_model())
     tok.padding_side = "left"
-    rows = [{"prompt": p} for p in ("1 2 3", "4", "5 6 7 8 9 0 1 2 3")]
+    rows = [{"prompt": p} for p in ("1 2 3", "4", "5 6 7 8 9 0 1 2 3") for _ in range(3)]
     ids, mask = encode_prompts(tok, rows, 8)
     enc = tok([r["prompt"] for r in rows], return_tensors="pt", padding=True, truncation=True, max_length=8)
     assert torch.equal(ids, enc["input_ids"]) and torch.equal(mask, enc["attention_mask"])

@@ -71,28 +71,26 @@ def encode_prompts(tokenizer: Any, rows: list[dict[str, str]], max_length: int) 
 
     A prompt the chat template rendered already holds its special tokens, so it is tokenized without the
     tokenizer's own (no second BOS): its ids are apply_chat_template's. Plain prompts get them as always.
+    Each distinct prompt is tokenized once: a group of samples repeats its prompt.
     """
     chat = [r.get(FORMAT_KEY) == CHAT for r in rows]
     ids: list[list[int]] = [[] for _ in rows]
     for templated in (False, True):
         where = [i for i, c in enumerate(chat) if c == templated]
         if where:
-            enc = tokenizer([rows[i]["prompt"] for i in where], add_special_tokens=not templated, truncation=True,
-                            max_length=max_length)
-            for i, seq in zip(where, enc["input_ids"], strict=True):
-                ids[i] = list(seq)
+            distinct = list(dict.fromkeys(rows[i]["prompt"] for i in where))
+            enc = tokenizer(distinct, add_special_tokens=not templated, truncation=True, max_length=max_length)
+            by_prompt = dict(zip(distinct, enc["input_ids"], strict=True))
+            for i in where:
+                ids[i] = list(by_prompt[rows[i]["prompt"]])
     return left_pad(ids, tokenizer.pad_token_id)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, max len] ids with pad_id on the left, and the mask that is 1 on the tokens."""
     width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        if seq:
-            ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-            mask[i, width - len(seq):] = 1
+    ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in seqs], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
     return ids, mask
 
 
