@@ -16,6 +16,7 @@ from hybridflow.data.tiny import TINY_CONFIG, ensure_tiny_model, tiny_task_rewar
 from hybridflow.metrics import MetricsLog
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
 from hybridflow.workers.host import WorkerHost
+from hybridflow.workers.modeling import response_log_probs
 from hybridflow.workers.reward import RewardFunctionError, RewardWorker, gsm8k_reward, resolve_reward_function
 
 ROLES = {"actor_rollout": "actor_rollout", "reward_score": "reward", "reference": "reference"}
@@ -116,6 +117,33 @@ def test_one_on_policy_step_takes_its_old_log_probs_from_its_own_forward_pass(ex
     for a, b in zip(fused.workers["actor_rollout"].model.parameters(),
                     separate.workers["actor_rollout"].model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_entropy_joins_the_graph_only_as_a_term_of_the_loss(example_doc) -> None:
+    """At entropyCoef 0 the entropy is a metric computed off the graph (the backward pass skips the softmax
+    over the vocabulary); with a coefficient it is a term of the loss and moves the gradient."""
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["data"]["batchSize"] = 4
+    doc["spec"]["rollout"]["samplesPerPrompt"] = 4
+    doc["spec"]["algorithm"]["miniBatchSize"] = 16
+    hosts = []
+    for coef in (0.0, 0.5):
+        doc["spec"]["algorithm"]["entropyCoef"] = coef
+        hosts.append(WorkerHost(parse_job(doc).spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False))
+    r, _ = rows(4)
+    batch = hosts[0].rollout([row for row in r for _ in range(4)], [i for i in range(4) for _ in range(4)],
+                             ["reward", "reference"])
+    model = hosts[0].workers["actor_rollout"].model
+    logp, metric = response_log_probs(model, batch, torch.device("cpu"), "metric")
+    _, term = response_log_probs(model, batch, torch.device("cpu"), "loss")
+    assert metric is not None and term is not None
+    assert logp.requires_grad and term.requires_grad and not metric.requires_grad
+    torch.testing.assert_close(metric, term.detach())
+    compute_advantages(batch, parse_job(doc).spec, kl_coef=0.001)
+    without, with_bonus = (h.update(copy.deepcopy(batch), 0.001).metrics for h in hosts)
+    assert without["entropy"] == pytest.approx(with_bonus["entropy"], rel=1e-6)
+    assert without["actor_loss"] == pytest.approx(with_bonus["actor_loss"], rel=1e-6, abs=1e-8)
+    assert abs(without["actor_grad_norm"] - with_bonus["actor_grad_norm"]) > 1e-4
 
 
 def test_training_on_another_policy_version_is_an_error(ppo_spec) -> None:

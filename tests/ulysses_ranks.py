@@ -146,7 +146,7 @@ def case_actor(rank: int) -> dict[str, Any]:
     m = batch.response_mask.float()
     out: dict[str, Any] = {"sp_group_size": torch.distributed.get_world_size(sp_worker.sp.group())}
     with torch.no_grad():
-        (lp_sp, ent_sp), (lp, ent) = (policy_log_probs(w.model, w.sp, batch, torch.device("cpu"), True)
+        (lp_sp, ent_sp), (lp, ent) = (policy_log_probs(w.model, w.sp, batch, torch.device("cpu"), "loss")
                                       for w in (sp_worker, plain))
     assert ent_sp is not None and ent is not None
     out["log_probs_max_abs_diff"] = max_diff(lp_sp * m, lp * m)
@@ -156,7 +156,7 @@ def case_actor(rank: int) -> dict[str, Any]:
     losses, grads = [], []
     for w in (sp_worker, plain):
         w.model.zero_grad()
-        logp, entropy = policy_log_probs(w.model, w.sp, batch, torch.device("cpu"), True)
+        logp, entropy = policy_log_probs(w.model, w.sp, batch, torch.device("cpu"), "loss")
         assert entropy is not None
         loss, _ = algos.ppo_policy_loss(batch.tensors["old_log_probs"], logp, batch.tensors["advantages"], m,
                                         clip_low=0.2, clip_high=0.2, dual_clip_c=None, agg="token-mean")

@@ -118,6 +118,7 @@ class Algorithm(ApiModel):
     loss is weighed by min(pi_prox / pi_behaviour, cap), pi_prox being the policy the update starts from."""
     kl_penalty: KLPenalty = Field(default_factory=KLPenalty)
     entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight c_H of the entropy bonus: loss -= c_H * H. At 0 the entropy is only logged (computed off the graph)."""
     ppo_epochs: int = Field(1, ge=1, le=64)
     mini_batch_size: int | None = Field(None, ge=1)
     """Sequences per optimiser step; null means the whole batch."""

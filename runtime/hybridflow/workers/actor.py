@@ -8,12 +8,13 @@ from typing import Any
 import torch
 
 from hybridflow import algos
-from hybridflow.algos import entropy_from_logits, logprobs_from_logits
+from hybridflow.algos import logprobs_from_logits
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.plan import SP_FIELDS, old_log_probs_from_update, optimizer_steps
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
 from hybridflow.workers.footprint import training_footprint
 from hybridflow.workers.modeling import (
+    EntropyUse,
     check_model_dir,
     load_causal_lm,
     load_policy,
@@ -21,6 +22,7 @@ from hybridflow.workers.modeling import (
     load_tokenizer,
     policy_weights,
     response_log_probs,
+    token_entropy,
 )
 from hybridflow.workers.optim import train_epochs
 from hybridflow.workers.rollout import Sampling, make_rollout
@@ -29,22 +31,22 @@ from hybridflow.workers.ulysses import SequenceParallel, forward_tokens
 
 
 def policy_log_probs(module: torch.nn.Module, sp: SequenceParallel, batch: RolloutBatch, device: torch.device,
-                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy: EntropyUse = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`response_log_probs`, split over this rank's SP group when SP is on: each rank scores the next token at
     its 1/P of the positions, and only that [B, S, 2] table of log-prob and entropy is gathered, never the
     [B, S, vocab] logits."""
     if sp.group() is None:
-        return response_log_probs(module, batch, device, with_entropy)
+        return response_log_probs(module, batch, device, entropy)
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)  # the token each position predicts
 
     def scores(part: torch.Tensor, _mask: None, positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = module(input_ids=part, position_ids=positions, use_cache=False).logits.float()
         logp = logprobs_from_logits(logits, targets)
-        return torch.stack([logp, entropy_from_logits(logits) if with_entropy else torch.zeros_like(logp)], -1)
+        return torch.stack([logp, token_entropy(logits, entropy) if entropy else torch.zeros_like(logp)], -1)
 
     table = forward_tokens(scores, sp, ids, mask, (labels,), module)[:, batch.prompt_length - 1:-1]
-    return table[..., 0], (table[..., 1] if with_entropy else None)
+    return table[..., 0], (table[..., 1] if entropy else None)
 
 
 class ActorRolloutWorker:
@@ -134,7 +136,8 @@ class ActorRolloutWorker:
             self._decouple(batch)
 
         def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
-            logp, ent = policy_log_probs(self.training.module, self.sp, mb, self.device, with_entropy=True)
+            logp, ent = policy_log_probs(self.training.module, self.sp, mb, self.device,
+                                         entropy="loss" if algo.entropy_coef > 0 else "metric")
             assert ent is not None
             m = mb.response_mask.float().to(self.device)
             old = logp.detach() if self.old_from_update else mb.tensors["old_log_probs"].to(self.device)

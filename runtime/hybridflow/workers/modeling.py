@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -117,12 +118,22 @@ def response_logits(model: torch.nn.Module, batch: RolloutBatch, device: torch.d
     return out.logits[:, p - 1:-1].float()
 
 
+EntropyUse = Literal["metric", "loss"] | None
+"""What a pass wants of the per-token entropy: nothing, a logged metric, or a term of the loss."""
+
+
+def token_entropy(logits: torch.Tensor, use: Literal["metric", "loss"]) -> torch.Tensor:
+    """Per-token entropy; as a metric it is taken off the graph, so the backward pass skips the softmax over the
+    vocabulary (and autograd keeps no [B, T, V] tensor for it)."""
+    return entropy_from_logits(logits if use == "loss" else logits.detach())
+
+
 def response_log_probs(model: torch.nn.Module, batch: RolloutBatch, device: torch.device,
-                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       entropy: EntropyUse = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     logits = response_logits(model, batch, device)
     labels = batch.responses_ids.to(device)
     logp = logprobs_from_logits(logits, labels)
-    return logp, (entropy_from_logits(logits) if with_entropy else None)
+    return logp, (token_entropy(logits, entropy) if entropy else None)
 
 
 def minibatch_chunks(n: int, chunks: int, generator: torch.Generator) -> list[torch.Tensor]:
