@@ -146,6 +146,40 @@ def test_the_entropy_joins_the_graph_only_as_a_term_of_the_loss(example_doc) -> 
     assert abs(without["actor_grad_norm"] - with_bonus["actor_grad_norm"]) > 1e-4
 
 
+def test_scoring_passes_run_in_micro_batches_and_score_as_one_pass(ppo_spec) -> None:
+    """With microBatchSize, the old-log-prob, reference and value passes put at most that many sequences
+    through a model at once, and give what one pass over the whole batch gives."""
+    micro_spec = ppo_spec.model_copy(deep=True)
+    micro_spec.trainer.training.micro_batch_size = 3
+    roles = ROLES | {"critic": "critic"}
+    whole, micro = (WorkerHost(s.model_dump(mode="json"), roles, instance=0, use_gpu=False)
+                    for s in (ppo_spec, micro_spec))
+    head = {k: torch.randn_like(v) for k, v in whole.workers["critic"].model.value_head.state_dict().items()}
+    for host in (whole, micro):  # a zero head would make every value 0
+        host.workers["critic"].model.value_head.load_state_dict(head)
+    seen: list[int] = []
+    models = (micro.workers["actor_rollout"].behaviour, micro.workers["reference"].model,
+              micro.workers["critic"].model)
+    hooks = [m.register_forward_pre_hook(lambda _m, args, kwargs: seen.append(
+        (kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[0]), with_kwargs=True) for m in models]
+    r, g = rows(16)
+    batch = whole.rollout(r, g, ["reward"])
+    scored = {}
+    for host in (whole, micro):
+        b = copy.deepcopy(batch)
+        host.workers["actor_rollout"].old_log_probs(b)
+        host.workers["reference"].ref_log_probs(b)
+        host.workers["critic"].values(b)
+        scored[host is micro] = b.tensors
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 3 * 6 and max(seen) == 3  # 16 rows: five passes of 3 and one of 1, per model
+    for key in ("old_log_probs", "ref_log_probs", "values"):
+        assert scored[True][key].shape == (16, batch.responses_ids.shape[1])
+        torch.testing.assert_close(scored[True][key], scored[False][key], rtol=1e-5, atol=1e-6)
+    assert scored[True]["values"].abs().sum() > 0
+
+
 def test_training_on_another_policy_version_is_an_error(ppo_spec) -> None:
     host = WorkerHost(ppo_spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
     r, g = rows(8)

@@ -416,8 +416,10 @@ class Training(ApiModel):
     """How the actor and critic train: the layout of their weights over the ranks, and the memory savers."""
 
     micro_batch_size: int | None = Field(None, ge=1, le=1_000_000)
-    """Sequences per forward/backward pass; a minibatch accumulates the gradients of its micro-batches
-    before one optimiser step (same update, less activation memory). null: the whole minibatch at once."""
+    """Sequences per pass of the actor and critic. An update's forward/backward passes: a minibatch accumulates
+    the gradients of its micro-batches before one optimiser step (same update, less activation memory). The
+    scoring passes (old and reference log-probs, values): forward only, joined. null: the whole minibatch, or
+    a rank's whole share of the batch when scoring, at once."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them."""
     shard: bool = True

@@ -11,7 +11,7 @@ from hybridflow import algos
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.plan import SP_FIELDS, optimizer_steps
 from hybridflow.workers.batch import RolloutBatch
-from hybridflow.workers.modeling import DTYPES, check_model_dir, position_ids
+from hybridflow.workers.modeling import DTYPES, check_model_dir, in_micro_batches, position_ids
 from hybridflow.workers.optim import train_epochs
 from hybridflow.workers.training import RoleTraining
 from hybridflow.workers.ulysses import SequenceParallel, forward_tokens
@@ -65,7 +65,8 @@ class CriticWorker:
     def values(self, batch: RolloutBatch) -> RolloutBatch:
         t0 = time.perf_counter()
         self.model.eval()
-        batch.tensors["values"] = (self._values(batch) * batch.response_mask.to(self.device)).cpu()
+        values = in_micro_batches(batch, self.spec.trainer.training.micro_batch_size, self._values)
+        batch.tensors["values"] = (values * batch.response_mask.to(self.device)).cpu()
         batch.add_timing("values", time.perf_counter() - t0)
         return batch
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -134,6 +135,15 @@ def response_log_probs(model: torch.nn.Module, batch: RolloutBatch, device: torc
     labels = batch.responses_ids.to(device)
     logp = logprobs_from_logits(logits, labels)
     return logp, (token_entropy(logits, entropy) if entropy else None)
+
+
+def in_micro_batches(batch: RolloutBatch, size: int | None,
+                     score: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
+    """`score` of the batch's rows, `size` sequences at a time, joined along the batch: a forward-only pass
+    holds one micro-batch's activations and logits at once (None: every row in one pass)."""
+    if not size or len(batch) <= size:
+        return score(batch)
+    return torch.cat([score(batch.slice_index(idx)) for idx in torch.arange(len(batch)).split(size)])
 
 
 def minibatch_chunks(n: int, chunks: int, generator: torch.Generator) -> list[torch.Tensor]:
