@@ -286,11 +286,20 @@ def test_reward_model_with_a_sequence_classification_head(example_doc, tmp_path)
     doc["spec"]["reward"] = {"type": "model", "model": {"path": str(tmp_path / "rm")}}
     spec = parse_job(doc).spec
     host = WorkerHost(spec.model_dump(mode="json"), {"actor_rollout": "actor_rollout"}, 0, use_gpu=False)
-    r, g = rows(4)
+    r, g = rows(8)
     batch = host.rollout(r, g, [])
     RewardWorker(spec, torch.device("cpu")).score(batch)
     scores = batch.tensors["scores"]
-    assert scores.shape == (4,) and torch.isfinite(scores).all()
+    assert scores.shape == (8,) and torch.isfinite(scores).all() and scores.std() > 0
+    # microBatchSize scores 3 sequences per pass, each pass padded to its own longest: the same scores
+    doc["spec"]["trainer"]["training"] = {"microBatchSize": 3}
+    micro = RewardWorker(parse_job(doc).spec, torch.device("cpu"))
+    seen: list[int] = []
+    micro.model.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    torch.testing.assert_close(micro.score(copy.deepcopy(batch)).tensors["scores"], scores, rtol=1e-5, atol=1e-6)
+    assert seen == [3, 3, 2]
+    doc["spec"]["reward"]["model"]["dtype"] = "bfloat16"
+    assert next(RewardWorker(parse_job(doc).spec, torch.device("cpu")).model.parameters()).dtype == torch.bfloat16
 
 
 def test_sampler_resumes_at_the_same_prompt() -> None:

@@ -195,13 +195,17 @@ DataPath = Annotated[str,
 """A data source: a builtin, a file, or a Hub dataset name."""
 
 
+ModelDtype = Literal["float32", "bfloat16", "float16"]
+"""The dtype a model is loaded in and computes in."""
+
+
 class ModelRef(ApiModel):
     """A causal LM: a local directory (a PVC mount path), `builtin:tiny`, or a Hugging Face Hub name."""
 
     path: ModelPath = "builtin:tiny"
     """A directory, `builtin:tiny`, or a Hub model: `Org/Name` or `hf://Org/Name@revision` (branch, tag or
     commit), fetched once into $HF_HOME/hub before the workers start."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: ModelDtype = "float32"
     lora: Lora | None = None
     """Train LoRA adapters instead of every weight; null (the default) is a full fine-tune."""
 
@@ -219,7 +223,7 @@ class PolicyModel(ModelRef):
 class CriticModel(ApiModel):
     path: ModelPath | None = None
     """Backbone of the critic (a directory or a Hub name, as policy.path); defaults to the policy path."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: ModelDtype = "float32"
     sequence_parallel: int = Field(1, ge=1, le=64)
     """Ulysses sequence parallelism: groups of this many critic ranks share each sequence, each rank holding
     1/P of its tokens and, inside attention, H/P of its heads; 1 is off. P must divide the critic's
@@ -242,6 +246,7 @@ class Models(ApiModel):
 class RewardModelRef(ApiModel):
     path: ModelPath
     """A sequence-classification model (num_labels=1): a directory or a Hub name, as model.policy.path."""
+    dtype: ModelDtype = "float32"
 
 
 class Reward(ApiModel):
@@ -418,8 +423,8 @@ class Training(ApiModel):
     micro_batch_size: int | None = Field(None, ge=1, le=1_000_000)
     """Sequences per pass of the actor and critic. An update's forward/backward passes: a minibatch accumulates
     the gradients of its micro-batches before one optimiser step (same update, less activation memory). The
-    scoring passes (old and reference log-probs, values): forward only, joined. null: the whole minibatch, or
-    a rank's whole share of the batch when scoring, at once."""
+    scoring passes (old and reference log-probs, values, a reward model's scores): forward only, joined. null:
+    the whole minibatch, or a rank's whole share of the batch when scoring, at once."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them."""
     shard: bool = True

@@ -12,6 +12,7 @@ import torch
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.data.tiny import tiny_task_reward
 from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.modeling import in_micro_batches
 
 RewardFn = Callable[[str, str, str], float]
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -68,16 +69,18 @@ class RewardWorker:
 
     def __init__(self, spec: RLTrainingJobSpec, device: torch.device) -> None:
         self.device = device
+        self.micro_batch_size = spec.trainer.training.micro_batch_size
         self.fn: RewardFn | None = None
         self.model: torch.nn.Module | None = None
         if spec.reward.model is not None and spec.reward.type == "model":
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-            from hybridflow.workers.modeling import check_model_dir
+            from hybridflow.workers.modeling import DTYPES, check_model_dir
 
             path = check_model_dir(spec.reward.model.path, "spec.reward.model.path")
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-            self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1).to(device).eval()
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, dtype=DTYPES[spec.reward.model.dtype]).to(device).eval()
         else:
             self.fn = resolve_reward_function(spec.reward.function)
 
@@ -89,8 +92,12 @@ class RewardWorker:
                                                                     strict=True)]
             batch.tensors["scores"] = torch.tensor(scores, dtype=torch.float32)
         elif self.model is not None:
-            texts = [p + r for p, r in zip(batch.prompts, batch.responses, strict=True)]
-            enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(self.device)
-            batch.tensors["scores"] = self.model(**enc).logits[:, 0].float().cpu()
+            batch.tensors["scores"] = in_micro_batches(batch, self.micro_batch_size, self._model_scores)
         batch.add_timing("reward", time.perf_counter() - t0)
         return batch
+
+    def _model_scores(self, batch: RolloutBatch) -> torch.Tensor:
+        assert self.model is not None
+        texts = [p + r for p, r in zip(batch.prompts, batch.responses, strict=True)]
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True).to(self.device)
+        return self.model(**enc).logits[:, 0].float().cpu()
