@@ -12,7 +12,7 @@ import torch
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.data.tiny import tiny_task_reward
 from hybridflow.workers.batch import RolloutBatch
-from hybridflow.workers.modeling import in_micro_batches
+from hybridflow.workers.modeling import DTYPES, check_model_dir, in_micro_batches
 
 RewardFn = Callable[[str, str, str], float]
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -74,8 +74,6 @@ class RewardWorker:
         self.model: torch.nn.Module | None = None
         if spec.reward.model is not None and spec.reward.type == "model":
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-            from hybridflow.workers.modeling import DTYPES, check_model_dir
 
             path = check_model_dir(spec.reward.model.path, "spec.reward.model.path")
             self.tokenizer = AutoTokenizer.from_pretrained(path)
