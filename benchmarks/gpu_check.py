@@ -2,14 +2,24 @@
 
     python -m benchmarks.gpu_check --out $OUT/gpu-check.json [--cpu] [--install-vllm SECONDS]
 
-Checks, each recorded as ok | failed | skipped | absent with its detail and time:
+Each check runs the project's own code and is recorded as ok | failed | skipped, with its detail and
+time:
 
-- fsdp2_mixed_precision: a few optimiser steps of the tiny policy under FSDP2 (bf16 compute, fp32 master
-  weights and gradient reduction) in a one-rank process group; the loss must fall and the weights stay fp32.
-- reshard_torch_rollout: a trained policy streamed in buckets into a torch rollout's own generation module;
-  the weights must match exactly and the policy version must follow.
+- fsdp2_mixed_precision: a few optimiser steps of the tiny bf16 policy sharded by training.shard_model
+  (bf16 compute, fp32 master weights and gradient reduction) in a one-rank group; the loss must fall, the
+  logits be bf16 and the stepped weights fp32.
+- masters_training: RoleTraining's single-rank layout for a bf16 model (fp32 masters rounded into it), then a
+  DCP checkpoint written and read back into a fresh RoleTraining, which must hold the same weights.
+- reshard_torch_rollout: the sharded policy streamed in buckets into a torch rollout's own bf16 generation
+  module; the weights must equal the trained ones cast to bf16, and the policy version must follow.
 - process_group: a one-rank NCCL group (gloo with --cpu) and an all-reduce.
-- ulysses: hybridflow.workers.ulysses.gpu_check(device) when that module exists, else absent.
+- ulysses: hybridflow.workers.ulysses.gpu_check(device).
+- scale: a 1.78B Llama (Qwen2.5-1.5B's shape, untied embeddings; a small one with --cpu) trained
+  sharded with gradient checkpointing, then synced into its bf16 generation copy and sampled: step time,
+  training memory, sync time and the sync's peak memory beyond the two copies, generation tokens/s.
+- fused_steps: the runtime benchmark's workloads (tiny: examples/tiny-grpo.yaml's 80 steps; wide) through
+  WorkerHost.run_step on the device, the call the trainer sends a fused plan's host, with the policy's control
+  edge strong and eventual: step times, the off-policy gain, and tiny's reward (last 10 steps' mean >= 0.9).
 - vllm_weight_load: the vLLM rollout (worker extension, sleep/wake, bucketed load) on a small Llama; vLLM
   installed by pip first when --install-vllm allows it and it is missing. Needs a GPU: skipped with --cpu.
 
@@ -20,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import os
 import platform
@@ -36,15 +45,11 @@ from typing import Any
 
 import torch
 
-OK, FAILED, SKIPPED, ABSENT = "ok", "failed", "skipped", "absent"
+OK, FAILED, SKIPPED = "ok", "failed", "skipped"
 
 
 class Skip(Exception):
     """The check cannot run here; the message says why."""
-
-
-class Absent(Exception):
-    """What the check exercises is not part of this tree."""
 
 
 def one_rank_group(backend: str) -> None:
@@ -57,64 +62,123 @@ def one_rank_group(backend: str) -> None:
                                 timeout=timedelta(seconds=120))
 
 
-def tiny_policy(device: torch.device) -> tuple[torch.nn.Module, Any, str]:
+def tiny_tokenizer() -> Any:
     from hybridflow.data.tiny import ensure_tiny_model
-    from hybridflow.workers.modeling import load_causal_lm, load_tokenizer
+    from hybridflow.workers.modeling import load_tokenizer
 
-    path = str(ensure_tiny_model())
-    return load_causal_lm(path, "float32", device), load_tokenizer(path), path
+    return load_tokenizer(str(ensure_tiny_model()))
+
+
+def tiny_policy(device: torch.device, dtype: str = "bfloat16") -> tuple[torch.nn.Module, Any]:
+    """The built-in tiny model, in the dtype a GPU policy loads in, and its tokenizer."""
+    from hybridflow.data.tiny import ensure_tiny_model
+    from hybridflow.workers.modeling import load_causal_lm
+
+    return load_causal_lm(str(ensure_tiny_model()), dtype, device), tiny_tokenizer()
+
+
+def lm_loss(module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    loss: torch.Tensor = module(input_ids=ids, labels=ids).loss
+    return loss
+
+
+def tiny_ids(device: torch.device, rows: int = 8, length: int = 12) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(4, 14, (rows, length), generator=g).to(device)
+
+
+def sharded_tiny(device: torch.device, backend: str) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
+    """(the bf16 inference copy, its fp32 FSDP2 training copy, the tokenizer), as a sharded actor holds them."""
+    from hybridflow.workers.training import shard_model
+
+    one_rank_group(backend)
+    model, tok = tiny_policy(device)
+    return model, shard_model(model, torch.bfloat16, device), tok
 
 
 def check_fsdp(device: torch.device, backend: str) -> dict[str, Any]:
-    try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    except ImportError as e:
-        raise Absent(f"torch.distributed.fsdp has no FSDP2 here: {e}") from None
-    one_rank_group(backend)
-    model, _, _ = tiny_policy(device)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    decoder: Any = model
-    for layer in decoder.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, 14, (8, 12), generator=g).to(device)
+    from hybridflow.workers.training import local
+
+    _, train, _ = sharded_tiny(device, backend)
+    opt = torch.optim.AdamW(train.parameters(), lr=1e-2)
+    ids = tiny_ids(device)
     losses = []
     for _ in range(8):
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
+        loss = lm_loss(train, ids)
+        loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(out.loss.item())
-    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+        losses.append(loss.item())
+    dtypes = sorted({str(local(p).dtype) for p in train.parameters()})
+    with torch.no_grad():  # after the dtypes: a forward alone leaves the root unsharded, in the compute dtype
+        logits_dtype = str(train(input_ids=ids).logits.dtype)
     if not losses[-1] < losses[0]:
         raise AssertionError(f"the loss did not fall: {losses}")
     if dtypes != ["torch.float32"]:
         raise AssertionError(f"master weights are {dtypes}, not float32")
-    module = importlib.util.find_spec("hybridflow.workers.fsdp")
-    return {"losses": [round(x, 4) for x in losses], "param_dtypes": dtypes, "compute_dtype": "bfloat16",
-            "hybridflow_fsdp_module": "present" if module else "absent"}
+    if logits_dtype != "torch.bfloat16":
+        raise AssertionError(f"the sharded forward computed in {logits_dtype}, not bfloat16")
+    return {"losses": [round(x, 4) for x in losses], "param_dtypes": dtypes, "logits_dtype": logits_dtype}
 
 
-def check_reshard(device: torch.device) -> dict[str, Any]:
+def check_masters(device: torch.device) -> dict[str, Any]:
+    from hybridflow.api.spec import Training
+    from hybridflow.workers.training import RoleTraining
+
+    def role() -> RoleTraining:
+        model, _ = tiny_policy(device)
+        return RoleTraining(model, lr=1e-2, options=Training(), device=device)
+
+    trained = role()
+    ids = tiny_ids(device)
+    losses = []
+    for _ in range(8):
+        trained.zero_grad()
+        loss = lm_loss(trained.module, ids)
+        loss.backward()
+        trained.step(1.0)
+        losses.append(loss.item())
+    lay = trained.layout
+    if lay.kind != "masters" or {p.dtype for p in lay.params} != {torch.float32}:
+        raise AssertionError(f"a bf16 model on one rank trained in layout {lay.kind} with "
+                             f"{sorted({str(p.dtype) for p in lay.params})} weights, not fp32 masters")
+    if not losses[-1] < losses[0]:
+        raise AssertionError(f"the loss did not fall: {losses}")
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        trained.save(tmp)
+        saved = time.perf_counter() - t0
+        resumed = role()
+        resumed.load(tmp)
+    want, have = trained.tensors(), resumed.tensors()
+    off = [k for k in want if not torch.equal(want[k], have[k])]
+    if off:
+        raise AssertionError(f"{len(off)} tensors differ after a DCP save and load, e.g. {off[:3]}")
+    if not all(torch.equal(a, b) for a, b in zip(trained.model.parameters(), resumed.model.parameters(), strict=True)):
+        raise AssertionError("the loaded model's bf16 weights differ from the trained ones")
+    return {"layout": lay.kind, "losses": [round(x, 4) for x in losses], "checkpoint_tensors": len(want),
+            "save_seconds": round(saved, 4), "memory_bytes": trained.memory_bytes()}
+
+
+def check_reshard(device: torch.device, backend: str) -> dict[str, Any]:
     from hybridflow.api.spec import Rollout
     from hybridflow.data.prompts import load_rows
     from hybridflow.workers.batch import PolicyVersionError
     from hybridflow.workers.rollout import TorchRollout
+    from hybridflow.workers.training import full
 
-    trained, tok, _ = tiny_policy(device)
-    generation, _, _ = tiny_policy(device)
+    generation, train, tok = sharded_tiny(device, backend)
     with torch.no_grad():
-        for p in trained.parameters():
+        for p in train.parameters():
             p.mul_(1.5)
-    rollout = TorchRollout(trained, tok, Rollout(), 8, 4, device, generation=generation, bucket_bytes=16 << 10)
+    rollout = TorchRollout(generation, tok, Rollout(), 8, 4, device, generation=generation, bucket_bytes=16 << 10)
     t0 = time.perf_counter()
-    rollout.sync_weights(trained, 1)
+    moved = rollout.sync_weights(train, 1)
     seconds = time.perf_counter() - t0
-    want, have = trained.state_dict(), generation.state_dict()
-    if not all(torch.equal(want[k], have[k]) for k in want):
-        raise AssertionError("the generation weights differ from the trained ones after a sync")
+    have = dict(generation.named_parameters())
+    off = [n for n, p in train.named_parameters() if not torch.equal(have[n], full(p.detach()).to(torch.bfloat16))]
+    if off:
+        raise AssertionError(f"{len(off)} generation weights differ from the trained ones after a sync: {off[:3]}")
     rows = load_rows("builtin:tiny_task", "prompt", "answer")[:4]
     batch = rollout.generate(rows, [0, 1, 2, 3], policy_version=1)
     try:
@@ -122,7 +186,7 @@ def check_reshard(device: torch.device) -> dict[str, Any]:
         raise AssertionError("generating for a stale policy version was allowed")
     except PolicyVersionError:
         pass
-    return {"weights": len(want), "sync_seconds": round(seconds, 4), "version": batch.policy_version}
+    return {"weights": len(have), "bytes": moved, "sync_seconds": round(seconds, 4), "version": batch.policy_version}
 
 
 def check_process_group(device: torch.device, backend: str) -> dict[str, Any]:
@@ -137,11 +201,185 @@ def check_process_group(device: torch.device, backend: str) -> dict[str, Any]:
 
 
 def check_ulysses(device: torch.device) -> dict[str, Any]:
-    if importlib.util.find_spec("hybridflow.workers.ulysses") is None:
-        raise Absent("hybridflow.workers.ulysses is not in this tree")
-    module = importlib.import_module("hybridflow.workers.ulysses")
-    result = module.gpu_check(device)
-    return result if isinstance(result, dict) else {"result": repr(result)}
+    from hybridflow.workers import ulysses
+
+    return dict(ulysses.gpu_check(device))
+
+
+SCALE_SHAPES: dict[str, dict[str, Any]] = {
+    "cuda": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+             "num_key_value_heads": 2, "vocab_size": 151936, "batch": 8, "seq": 1024, "prompts": 64,
+             "new_tokens": 128},
+    "cpu": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 1000, "batch": 2, "seq": 64, "prompts": 8, "new_tokens": 8},
+}
+"""cuda: Qwen2.5-1.5B's shape with untied embeddings (1.78B parameters); cpu: the same code on a small one."""
+
+
+def mib(n: float) -> float:
+    return round(n / 2**20, 1)
+
+
+def check_scale(device: torch.device, backend: str) -> dict[str, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hybridflow.api.spec import Rollout
+    from hybridflow.data.prompts import load_rows
+    from hybridflow.workers.reshard import DEFAULT_BUCKET_BYTES
+    from hybridflow.workers.rollout import TorchRollout
+    from hybridflow.workers.training import enable_gradient_checkpointing, full, local, shard_model
+
+    cuda = device.type == "cuda"
+    shape = dict(SCALE_SHAPES["cuda" if cuda else "cpu"])
+    batch, seq, prompts, new_tokens = (shape.pop(k) for k in ("batch", "seq", "prompts", "new_tokens"))
+
+    def settle() -> int:
+        if not cuda:
+            return 0
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+
+    one_rank_group(backend)
+    tok = tiny_tokenizer()
+    config = LlamaConfig(**shape, max_position_embeddings=max(seq, 256), tie_word_embeddings=False,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model: torch.nn.Module = LlamaForCausalLM(config)
+    model = model.to(torch.bfloat16)
+    enable_gradient_checkpointing(model)
+    train = shard_model(model, torch.bfloat16, device)
+    opt = torch.optim.AdamW(train.parameters(), lr=1e-5, weight_decay=0.0)
+    ids = torch.randint(4, shape["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    steps = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        lm_loss(train, ids).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        settle()
+        steps.append(time.perf_counter() - t0)
+    def nbytes(ts: Any) -> int:
+        """This rank's bytes of these tensors (a DTensor's shard)."""
+        return sum(local(t).numel() * local(t).element_size() for t in ts if isinstance(t, torch.Tensor))
+
+    trained_bytes = {"params": nbytes(train.parameters()), "grads": nbytes(p.grad for p in train.parameters()),
+                     "optimizer": nbytes(v for s in opt.state.values() for v in s.values())}
+    copy_bytes = nbytes(model.parameters())
+    rollout = TorchRollout(model, tok, Rollout(), 16, new_tokens, device, generation=model)
+    base = settle()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    moved = rollout.sync_weights(train, 1)
+    settle()
+    sync = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+    have = dict(model.named_parameters())
+    off = [n for n, p in train.named_parameters() if not torch.equal(have[n], full(p.detach()).to(torch.bfloat16))]
+    if off:
+        raise AssertionError(f"{len(off)} generation weights differ from the trained ones after a sync: {off[:3]}")
+    rows = (load_rows("builtin:tiny_task", "prompt", "answer") * prompts)[:prompts]
+    warm = TorchRollout(model, tok, Rollout(), 16, 4, device)  # the kernels' first launches, not timed
+    warm.sync_weights(model, 1)
+    warm.generate(rows, list(range(prompts)), policy_version=1, seed=0)
+    settle()
+    t0 = time.perf_counter()
+    out = rollout.generate(rows, list(range(prompts)), policy_version=1, seed=0)
+    settle()
+    generate = time.perf_counter() - t0
+    tokens = int(out.response_mask.sum())
+    result: dict[str, Any] = {
+        "parameters": sum(p.numel() for p in model.parameters()), "shape": shape, "batch": [batch, seq],
+        "step_seconds": [round(s, 3) for s in steps], "training_mib": {k: mib(v) for k, v in trained_bytes.items()},
+        "generation_copy_mib": mib(copy_bytes), "sync_seconds": round(sync, 4), "sync_mib": mib(moved),
+        "sync_gib_per_s": round(moved / sync / 2**30, 2), "bucket_mib": mib(DEFAULT_BUCKET_BYTES),
+        "sync_peak_extra_mib": None if peak is None else mib(peak),
+        "generate_seconds": round(generate, 3), "generated_tokens": tokens,
+        "generate_tokens_per_s": round(tokens / generate, 1),
+    }
+    if cuda:
+        result["peak_allocated_mib"] = mib(torch.cuda.max_memory_allocated(device))
+    del train, opt, model, rollout
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+FUSED_STEPS = {"cuda": {"tiny": 80, "wide": 24}, "cpu": {"tiny": 80, "wide": 3}}
+"""tiny: the example's 80 steps, which must learn; wide: enough for a steady median step after warm-up (on a
+GPU; a CPU only runs its code)."""
+
+
+def fused_job(workload: str, consistency: str, device: torch.device, steps: int) -> Any:
+    """A runtime-benchmark workload (benchmarks.runtime.WORKLOADS) with its built-in graph written out and the
+    policy's control edge at `consistency`."""
+    from benchmarks.offpolicy import with_consistency
+    from benchmarks.runtime import WORKLOADS, bench_job
+    from hybridflow.graph import builtin_graph
+
+    job = bench_job(steps, f"gpu-check-{workload}-{consistency}", WORKLOADS[workload])
+    job.spec.graph = builtin_graph(job.spec, "GPU" if device.type == "cuda" else "CPU").to_spec()
+    return with_consistency(job, consistency)
+
+
+def fused_run(job: Any, device: torch.device) -> dict[str, Any]:
+    """The job's steps as its actor's host runs them when the plan fuses the step: WorkerHost.run_step, the
+    same call the trainer sends it through Ray, here in this process on `device`. With a lagging plan
+    (consistency eventual) each call also gets the next step's prompts, whose rollout overlaps the update."""
+    import statistics
+
+    from hybridflow.data.prompts import PromptSampler, load_prompts, repeat_samples
+    from hybridflow.plan import step_plan, trainable_graph
+    from hybridflow.step import step_record
+    from hybridflow.workers.host import WorkerHost
+
+    spec = job.spec
+    graph = trainable_graph(spec, "GPU" if device.type == "cuda" else "CPU")
+    plan = step_plan(graph, spec)
+    if not plan.fused:
+        raise AssertionError(f"{job.metadata.name}: the plan does not fuse the step into the actor's process")
+    if spec.algorithm.kl_penalty.adaptive:
+        raise AssertionError(f"{job.metadata.name}: an adaptive KL coefficient needs the trainer's controller")
+    roles = {n.name: n.role for n in graph.nodes}
+    host = WorkerHost(spec.model_dump(mode="json"), roles, 0, seed=spec.trainer.seed, use_gpu=device.type == "cuda",
+                      threads=torch.get_num_threads(), lag=plan.lag)
+    sampler = PromptSampler(load_prompts(spec, "train"), spec.data.batch_size, spec.trainer.seed)
+    kl, total = spec.algorithm.kl_penalty.coef, spec.trainer.total_steps
+    records = []
+    prompts = repeat_samples(sampler.next_batch(), spec.rollout.samples_per_prompt)
+    t_run = time.perf_counter()
+    for step in range(1, total + 1):
+        rows, gids = prompts
+        if step < total:
+            prompts = repeat_samples(sampler.next_batch(), spec.rollout.samples_per_prompt)
+        ahead = prompts if plan.lag and step < total else None
+        t0 = time.perf_counter()
+        out = host.run_step(list(plan.phases), rows, gids, list(plan.colocated), kl, ahead, plan.late)
+        records.append(step_record(step, out, time.perf_counter() - t0, kl))
+    seconds = time.perf_counter() - t_run
+    steady = records[min(5, len(records) - 1):]
+    rewards = [r["reward_mean"] for r in records]
+    return {"steps": len(records), "lag": plan.lag, "seconds": round(seconds, 2),
+            "reward_first": round(rewards[0], 3), "reward_last10": round(statistics.fmean(rewards[-10:]), 3),
+            "median_step_ms": round(1000 * statistics.median(r["timing/step"] for r in steady), 1),
+            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in steady), 1),
+            "median_update_ms": round(1000 * statistics.median(r["timing/update"] for r in steady), 1)}
+
+
+def check_fused_steps(device: torch.device, steps: dict[str, int]) -> dict[str, Any]:
+    """Each workload strong and eventual: the tiny runs must learn (last 10 steps' mean reward >= 0.9); the
+    off-policy gain is eventual's tokens/s over strong's."""
+    out: dict[str, Any] = {}
+    for workload, n in steps.items():
+        runs = {c: fused_run(fused_job(workload, c, device, n), device) for c in ("strong", "eventual")}
+        runs["offpolicy_gain"] = round(runs["eventual"]["tokens_per_s"] / runs["strong"]["tokens_per_s"], 3)
+        out[workload] = runs
+    for consistency, run_ in out.get("tiny", {}).items():
+        if isinstance(run_, dict) and steps["tiny"] >= 80 and not run_["reward_last10"] >= 0.9:
+            raise AssertionError(f"tiny, {consistency}: the last 10 steps' mean reward is {run_['reward_last10']}, "
+                                 "below 0.9")
+    return out
 
 
 def ensure_vllm(install_seconds: int) -> str:
@@ -168,8 +406,7 @@ def small_llama(directory: Path) -> str:
     """The tiny tokenizer with a Llama whose head size the GPU attention kernels take (64)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hybridflow.data.tiny import TINY_CONFIG, ensure_tiny_model
-    from hybridflow.workers.modeling import load_tokenizer
+    from hybridflow.data.tiny import TINY_CONFIG
 
     cfg: dict[str, Any] = {k: v for k, v in TINY_CONFIG.items() if k != "model_type"}
     cfg |= {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -177,7 +414,7 @@ def small_llama(directory: Path) -> str:
     config = LlamaConfig(**cfg, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(directory)
-    load_tokenizer(str(ensure_tiny_model())).save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
     return str(directory)
 
 
@@ -222,8 +459,6 @@ def run(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         out: dict[str, Any] = {"status": OK, "detail": fn()}
-    except Absent as e:
-        out = {"status": ABSENT, "detail": str(e)}
     except Skip as e:
         out = {"status": SKIPPED, "detail": str(e)}
     except Exception as e:  # a failed check is recorded and the others still run
@@ -253,9 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     backend = "gloo" if args.cpu else "nccl"
     checks = {
         "fsdp2_mixed_precision": run("fsdp2_mixed_precision", lambda: check_fsdp(device, backend)),
-        "reshard_torch_rollout": run("reshard_torch_rollout", lambda: check_reshard(device)),
+        "masters_training": run("masters_training", lambda: check_masters(device)),
+        "reshard_torch_rollout": run("reshard_torch_rollout", lambda: check_reshard(device, backend)),
         "process_group": run("process_group", lambda: check_process_group(device, backend)),
         "ulysses": run("ulysses", lambda: check_ulysses(device)),
+        "scale": run("scale", lambda: check_scale(device, backend)),
+        "fused_steps": run("fused_steps", lambda: check_fused_steps(device, FUSED_STEPS[device.type])),
         "vllm_weight_load": run("vllm_weight_load", lambda: check_vllm(device, args.install_vllm)),
     }
     import torch.distributed as dist

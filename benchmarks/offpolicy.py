@@ -55,6 +55,15 @@ def thread_choices(consistency: str) -> list[int]:
     return [cores] if consistency == "strong" else sorted({1, cores})
 
 
+def with_consistency(job: Any, consistency: str) -> Any:
+    """The job's graph (spec.graph, which must be written out) with its control edges at `consistency`."""
+    assert job.spec.graph is not None
+    for edge in job.spec.graph.edges:
+        if edge.control:
+            edge.consistency = consistency
+    return job
+
+
 def run_one(consistency: str, workload: Workload, steps: int, threads: int, metrics: Path) -> dict[str, Any]:
     """One run in a fresh multi-raylet cluster; the step records, with `tokens` per step."""
     import ray
@@ -70,11 +79,8 @@ def run_one(consistency: str, workload: Workload, steps: int, threads: int, metr
     try:
         ray.init(address=cluster.address, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-        job = with_threads(bench_job(steps, f"offpolicy-{consistency}", workload), threads)
-        assert job.spec.graph is not None
-        for edge in job.spec.graph.edges:
-            if edge.control:
-                edge.consistency = "eventual" if consistency == "eventual" else "strong"
+        job = with_consistency(with_threads(bench_job(steps, f"offpolicy-{consistency}", workload), threads),
+                               consistency)
         t0 = time.perf_counter()
         run_training(job, str(metrics))
         wall = time.perf_counter() - t0

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU-only paths in one run (benchmarks/gpu_check.py): FSDP2 mixed precision, resharding into the torch
-# rollout, a one-rank NCCL group, Ulysses, and vLLM's bucketed weight load. Writes $OUT/gpu-check.json.
+# The GPU-only paths in one run (benchmarks/gpu_check.py): FSDP2 mixed precision, fp32 masters and DCP,
+# resharding into the torch rollout, a one-rank NCCL group, Ulysses, a 1.78B policy's step and weight sync,
+# the fused step loop strong and eventual, and vLLM's bucketed weight load. Writes $OUT/gpu-check.json.
 #
 #   scripts/gpu-check.sh                  on a GPU machine (OUT defaults to ./runs)
 #   scripts/gpu-check.sh --cpu            the CPU-possible parts

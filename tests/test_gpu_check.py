@@ -20,13 +20,20 @@ def test_the_gpu_check_script_runs_its_cpu_parts(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     checks = report["checks"]
     assert report["mode"] == "cpu" and report["failed"] == []
-    assert checks["fsdp2_mixed_precision"]["status"] == "ok"
+    for name in ("fsdp2_mixed_precision", "masters_training", "reshard_torch_rollout", "process_group", "ulysses",
+                 "scale", "fused_steps"):
+        assert checks[name]["status"] == "ok", (name, checks[name])
     fsdp = checks["fsdp2_mixed_precision"]["detail"]
     assert fsdp["losses"][-1] < fsdp["losses"][0] and fsdp["param_dtypes"] == ["torch.float32"]
-    assert checks["reshard_torch_rollout"]["status"] == "ok"
+    assert fsdp["logits_dtype"] == "torch.bfloat16"
+    assert checks["masters_training"]["detail"]["layout"] == "masters"
     assert checks["reshard_torch_rollout"]["detail"]["version"] == 1
     assert checks["process_group"]["detail"] == {"backend": "gloo", "world_size": 1}
-    assert checks["ulysses"]["status"] in ("ok", "absent")
+    scale = checks["scale"]["detail"]
+    assert scale["sync_mib"] == scale["training_mib"]["params"] and scale["generated_tokens"] > 0
+    tiny = checks["fused_steps"]["detail"]["tiny"]
+    assert tiny["strong"]["lag"] == 0 and tiny["eventual"]["lag"] == 1
+    assert min(tiny["strong"]["reward_last10"], tiny["eventual"]["reward_last10"]) >= 0.9
     assert checks["vllm_weight_load"] == {"status": "skipped", "detail": "vLLM needs a GPU",
                                           "seconds": checks["vllm_weight_load"]["seconds"]}
 
