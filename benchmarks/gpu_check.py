@@ -5,18 +5,20 @@
 Each check runs the project's own code and is recorded as ok | failed | skipped, with its detail and
 time:
 
-- fsdp2_mixed_precision: a few optimiser steps of the tiny bf16 policy sharded by training.shard_model
-  (bf16 compute, fp32 master weights and gradient reduction) in a one-rank group; the loss must fall, the
+- fsdp2_mixed_precision: a few optimiser steps of the tiny bf16 policy in RoleTraining's sharded layout (FSDP2:
+  bf16 compute, fp32 master weights and gradient reduction) in a one-rank group; the loss must fall, the
   logits be bf16 and the stepped weights fp32.
 - masters_training: RoleTraining's single-rank layout for a bf16 model (fp32 masters rounded into it), then a
   DCP checkpoint written and read back into a fresh RoleTraining, which must hold the same weights.
-- reshard_torch_rollout: the sharded policy streamed in buckets into a torch rollout's own bf16 generation
-  module; the weights must equal the trained ones cast to bf16, and the policy version must follow.
+- reshard_torch_rollout: the sharded policy synced into its bf16 inference copy, which torch generation runs,
+  and streamed in buckets into a generation module of its own (a LoRA policy's path); the weights must equal
+  the trained ones cast to bf16, and the policy version must follow.
 - process_group: a one-rank NCCL group (gloo with --cpu) and an all-reduce.
 - ulysses: hybridflow.workers.ulysses.gpu_check(device).
-- scale: a 1.78B Llama (Qwen2.5-1.5B's shape, untied embeddings; a small one with --cpu) trained
-  sharded with gradient checkpointing, then synced into its bf16 generation copy and sampled: step time,
-  training memory, sync time and the sync's peak memory beyond the two copies, generation tokens/s.
+- scale: a 1.78B Llama (Qwen2.5-1.5B's shape, untied embeddings; a small one with --cpu) trained by a sharded
+  RoleTraining with gradient checkpointing, synced into its bf16 inference copy, streamed from there in buckets
+  into a second copy (as into vLLM) and sampled: step time, training memory, each sync's time and peak memory
+  beyond the copies, generation tokens/s.
 - fused_steps: the runtime benchmark's workloads (tiny: examples/tiny-grpo.yaml's 80 steps; wide) through
   WorkerHost.run_step on the device, the call the trainer sends a fused plan's host, with the policy's control
   edge strong and eventual: step times, the off-policy gain, and tiny's reward (last 10 steps' mean >= 0.9).
@@ -38,10 +40,12 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -87,63 +91,84 @@ def tiny_ids(device: torch.device, rows: int = 8, length: int = 12) -> torch.Ten
     return torch.randint(4, 14, (rows, length), generator=g).to(device)
 
 
-def sharded_tiny(device: torch.device, backend: str) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
-    """(the bf16 inference copy, its fp32 FSDP2 training copy, the tokenizer), as a sharded actor holds them."""
-    from hybridflow.workers.training import shard_model
+@contextmanager
+def sharded_on_one_rank() -> Iterator[None]:
+    """RoleTraining shards over several ranks only, and one GPU is one rank: here its layout is chosen as the
+    runtime chooses it on several (everything else, FSDP2 included, is the runtime's own code)."""
+    from hybridflow.workers import training
 
-    one_rank_group(backend)
-    model, tok = tiny_policy(device)
-    return model, shard_model(model, torch.bfloat16, device), tok
+    with mock.patch.object(training, "layout_kind", lambda *_: "sharded"):
+        yield
+
+
+def role_training(model: torch.nn.Module, lr: float, device: torch.device, sharded: bool,
+                  options: Any = None) -> Any:
+    """The actor's RoleTraining for `model`, its layout built: sharded (FSDP2 over the group) or one rank's."""
+    from hybridflow.api.spec import Training
+    from hybridflow.workers.training import RoleTraining
+
+    role = RoleTraining(model, lr=lr, options=options or Training(), device=device)
+    with sharded_on_one_rank() if sharded else nullcontext():
+        expected = "sharded" if sharded else "masters"
+        if role.layout.kind != expected:
+            raise AssertionError(f"a bf16 model trained in layout {role.layout.kind}, not {expected}")
+    return role
+
+
+def train_steps(role: Any, ids: torch.Tensor, steps: int, settle: Callable[[], object] = lambda: None
+                ) -> tuple[list[float], list[float]]:
+    """`steps` optimiser steps on a language-model loss, as the actor's update runs them: (losses, seconds)."""
+    losses, seconds = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        role.zero_grad()
+        loss = lm_loss(role.module, ids)
+        loss.backward()
+        role.step(1.0)
+        losses.append(loss.item())
+        settle()
+        seconds.append(time.perf_counter() - t0)
+    if not losses[-1] < losses[0]:
+        raise AssertionError(f"the loss did not fall: {losses}")
+    return losses, seconds
+
+
+def synced(role: Any, model: torch.nn.Module) -> None:
+    """After RoleTraining.sync the inference copy must hold the stepped weights in its own dtype."""
+    from hybridflow.workers.training import full
+
+    have = dict(model.named_parameters())
+    off = [n for n, p in zip(role.layout.names, role.layout.params, strict=True)
+           if not torch.equal(have[n], full(p.detach()).to(have[n].dtype))]
+    if off:
+        raise AssertionError(f"{len(off)} weights of the inference copy differ from the trained ones: {off[:3]}")
 
 
 def check_fsdp(device: torch.device, backend: str) -> dict[str, Any]:
     from hybridflow.workers.training import local
 
-    _, train, _ = sharded_tiny(device, backend)
-    opt = torch.optim.AdamW(train.parameters(), lr=1e-2)
+    one_rank_group(backend)
+    model, _ = tiny_policy(device)
+    role = role_training(model, 1e-2, device, sharded=True)
     ids = tiny_ids(device)
-    losses = []
-    for _ in range(8):
-        loss = lm_loss(train, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    dtypes = sorted({str(local(p).dtype) for p in train.parameters()})
+    losses, _ = train_steps(role, ids, 8)
+    dtypes = sorted({str(local(p).dtype) for p in role.layout.params})
     with torch.no_grad():  # after the dtypes: a forward alone leaves the root unsharded, in the compute dtype
-        logits_dtype = str(train(input_ids=ids).logits.dtype)
-    if not losses[-1] < losses[0]:
-        raise AssertionError(f"the loss did not fall: {losses}")
+        logits_dtype = str(role.module(input_ids=ids).logits.dtype)
     if dtypes != ["torch.float32"]:
         raise AssertionError(f"master weights are {dtypes}, not float32")
     if logits_dtype != "torch.bfloat16":
         raise AssertionError(f"the sharded forward computed in {logits_dtype}, not bfloat16")
-    return {"losses": [round(x, 4) for x in losses], "param_dtypes": dtypes, "logits_dtype": logits_dtype}
+    return {"losses": [round(x, 4) for x in losses], "param_dtypes": dtypes, "logits_dtype": logits_dtype,
+            "memory_bytes": role.memory_bytes()}
 
 
 def check_masters(device: torch.device) -> dict[str, Any]:
-    from hybridflow.api.spec import Training
-    from hybridflow.workers.training import RoleTraining
-
-    def role() -> RoleTraining:
-        model, _ = tiny_policy(device)
-        return RoleTraining(model, lr=1e-2, options=Training(), device=device)
+    def role() -> Any:
+        return role_training(tiny_policy(device)[0], 1e-2, device, sharded=False)
 
     trained = role()
-    ids = tiny_ids(device)
-    losses = []
-    for _ in range(8):
-        trained.zero_grad()
-        loss = lm_loss(trained.module, ids)
-        loss.backward()
-        trained.step(1.0)
-        losses.append(loss.item())
-    lay = trained.layout
-    if lay.kind != "masters" or {p.dtype for p in lay.params} != {torch.float32}:
-        raise AssertionError(f"a bf16 model on one rank trained in layout {lay.kind} with "
-                             f"{sorted({str(p.dtype) for p in lay.params})} weights, not fp32 masters")
-    if not losses[-1] < losses[0]:
-        raise AssertionError(f"the loss did not fall: {losses}")
+    losses, _ = train_steps(trained, tiny_ids(device), 8)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         trained.save(tmp)
@@ -154,31 +179,30 @@ def check_masters(device: torch.device) -> dict[str, Any]:
     off = [k for k in want if not torch.equal(want[k], have[k])]
     if off:
         raise AssertionError(f"{len(off)} tensors differ after a DCP save and load, e.g. {off[:3]}")
-    if not all(torch.equal(a, b) for a, b in zip(trained.model.parameters(), resumed.model.parameters(), strict=True)):
-        raise AssertionError("the loaded model's bf16 weights differ from the trained ones")
-    return {"layout": lay.kind, "losses": [round(x, 4) for x in losses], "checkpoint_tensors": len(want),
+    synced(resumed, trained.model)
+    return {"layout": trained.layout.kind, "losses": [round(x, 4) for x in losses], "checkpoint_tensors": len(want),
             "save_seconds": round(saved, 4), "memory_bytes": trained.memory_bytes()}
 
 
 def check_reshard(device: torch.device, backend: str) -> dict[str, Any]:
+    """The full policy's sync (RoleTraining.sync: a gather per weight into the inference copy, which torch
+    generation runs) and a LoRA policy's (the merged weights streamed in buckets into generation's own copy)."""
     from hybridflow.api.spec import Rollout
     from hybridflow.data.prompts import load_rows
     from hybridflow.workers.batch import PolicyVersionError
     from hybridflow.workers.rollout import TorchRollout
-    from hybridflow.workers.training import full
 
-    generation, train, tok = sharded_tiny(device, backend)
-    with torch.no_grad():
-        for p in train.parameters():
-            p.mul_(1.5)
-    rollout = TorchRollout(generation, tok, Rollout(), 8, 4, device, generation=generation, bucket_bytes=16 << 10)
+    one_rank_group(backend)
+    model, tok = tiny_policy(device)
+    role = role_training(model, 1e-2, device, sharded=True)
+    train_steps(role, tiny_ids(device), 2)
     t0 = time.perf_counter()
-    moved = rollout.sync_weights(train, 1)
+    role.sync()
     seconds = time.perf_counter() - t0
-    have = dict(generation.named_parameters())
-    off = [n for n, p in train.named_parameters() if not torch.equal(have[n], full(p.detach()).to(torch.bfloat16))]
-    if off:
-        raise AssertionError(f"{len(off)} generation weights differ from the trained ones after a sync: {off[:3]}")
+    synced(role, model)
+    rollout = TorchRollout(model, tok, Rollout(), 8, 4, device)
+    if rollout.sync_weights(model, 1) != 0:
+        raise AssertionError("torch generation on the inference copy copied weights")
     rows = load_rows("builtin:tiny_task", "prompt", "answer")[:4]
     batch = rollout.generate(rows, [0, 1, 2, 3], policy_version=1)
     try:
@@ -186,7 +210,13 @@ def check_reshard(device: torch.device, backend: str) -> dict[str, Any]:
         raise AssertionError("generating for a stale policy version was allowed")
     except PolicyVersionError:
         pass
-    return {"weights": len(have), "bytes": moved, "sync_seconds": round(seconds, 4), "version": batch.policy_version}
+    own, _ = tiny_policy(device)
+    streamed = TorchRollout(model, tok, Rollout(), 8, 4, device, generation=own, bucket_bytes=16 << 10)
+    moved = streamed.sync_weights(model, 1)
+    if not all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), own.state_dict().values(), strict=True)):
+        raise AssertionError("generation's own copy differs from the policy after a bucketed sync")
+    return {"weights": len(role.layout.names), "sync_seconds": round(seconds, 4), "version": batch.policy_version,
+            "streamed_bytes": moved}
 
 
 def check_process_group(device: torch.device, backend: str) -> dict[str, Any]:
@@ -223,11 +253,10 @@ def mib(n: float) -> float:
 def check_scale(device: torch.device, backend: str) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hybridflow.api.spec import Rollout
+    from hybridflow.api.spec import Rollout, Training
     from hybridflow.data.prompts import load_rows
     from hybridflow.workers.reshard import DEFAULT_BUCKET_BYTES
     from hybridflow.workers.rollout import TorchRollout
-    from hybridflow.workers.training import enable_gradient_checkpointing, full, local, shard_model
 
     cuda = device.type == "cuda"
     shape = dict(SCALE_SHAPES["cuda" if cuda else "cpu"])
@@ -247,60 +276,59 @@ def check_scale(device: torch.device, backend: str) -> dict[str, Any]:
     with torch.device(device):
         model: torch.nn.Module = LlamaForCausalLM(config)
     model = model.to(torch.bfloat16)
-    enable_gradient_checkpointing(model)
-    train = shard_model(model, torch.bfloat16, device)
-    opt = torch.optim.AdamW(train.parameters(), lr=1e-5, weight_decay=0.0)
+    role = role_training(model, 1e-4, device, sharded=True, options=Training(gradient_checkpointing=True))
     ids = torch.randint(4, shape["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
-    steps = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        lm_loss(train, ids).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        settle()
-        steps.append(time.perf_counter() - t0)
-    def nbytes(ts: Any) -> int:
-        """This rank's bytes of these tensors (a DTensor's shard)."""
-        return sum(local(t).numel() * local(t).element_size() for t in ts if isinstance(t, torch.Tensor))
-
-    trained_bytes = {"params": nbytes(train.parameters()), "grads": nbytes(p.grad for p in train.parameters()),
-                     "optimizer": nbytes(v for s in opt.state.values() for v in s.values())}
-    copy_bytes = nbytes(model.parameters())
-    rollout = TorchRollout(model, tok, Rollout(), 16, new_tokens, device, generation=model)
+    _, steps = train_steps(role, ids, 3, settle)
+    copy_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     base = settle()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    moved = rollout.sync_weights(train, 1)
+    role.sync()
     settle()
     sync = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
-    have = dict(model.named_parameters())
-    off = [n for n, p in train.named_parameters() if not torch.equal(have[n], full(p.detach()).to(torch.bfloat16))]
-    if off:
-        raise AssertionError(f"{len(off)} generation weights differ from the trained ones after a sync: {off[:3]}")
+    synced(role, model)
+    with torch.device(device):
+        own: torch.nn.Module = LlamaForCausalLM(config)
+    own = own.to(torch.bfloat16)
+    streamed = TorchRollout(model, tok, Rollout(), 16, 4, device, generation=own)
+    base = settle()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    streamed.sync_weights(model, 1)
+    settle()
+    stream = time.perf_counter() - t0
+    stream_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+    if not all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), own.state_dict().values(), strict=True)):
+        raise AssertionError("the streamed copy differs from the inference copy")
+    del streamed, own
     rows = (load_rows("builtin:tiny_task", "prompt", "answer") * prompts)[:prompts]
     warm = TorchRollout(model, tok, Rollout(), 16, 4, device)  # the kernels' first launches, not timed
-    warm.sync_weights(model, 1)
-    warm.generate(rows, list(range(prompts)), policy_version=1, seed=0)
+    warm.generate(rows, list(range(prompts)), policy_version=0, seed=0)
+    rollout = TorchRollout(model, tok, Rollout(), 16, new_tokens, device)
     settle()
     t0 = time.perf_counter()
-    out = rollout.generate(rows, list(range(prompts)), policy_version=1, seed=0)
+    out = rollout.generate(rows, list(range(prompts)), policy_version=0, seed=0)
     settle()
     generate = time.perf_counter() - t0
     tokens = int(out.response_mask.sum())
     result: dict[str, Any] = {
         "parameters": sum(p.numel() for p in model.parameters()), "shape": shape, "batch": [batch, seq],
-        "step_seconds": [round(s, 3) for s in steps], "training_mib": {k: mib(v) for k, v in trained_bytes.items()},
-        "generation_copy_mib": mib(copy_bytes), "sync_seconds": round(sync, 4), "sync_mib": mib(moved),
-        "sync_gib_per_s": round(moved / sync / 2**30, 2), "bucket_mib": mib(DEFAULT_BUCKET_BYTES),
+        "step_seconds": [round(s, 3) for s in steps],
+        "training_mib": {k: mib(v) for k, v in role.memory_bytes().items()},
+        "inference_copy_mib": mib(copy_bytes), "sync_seconds": round(sync, 4),
+        "sync_gib_per_s": round(copy_bytes / sync / 2**30, 2),
         "sync_peak_extra_mib": None if peak is None else mib(peak),
+        "stream_seconds": round(stream, 4), "stream_bucket_mib": mib(DEFAULT_BUCKET_BYTES),
+        "stream_peak_extra_mib": None if stream_peak is None else mib(stream_peak),
         "generate_seconds": round(generate, 3), "generated_tokens": tokens,
         "generate_tokens_per_s": round(tokens / generate, 1),
     }
     if cuda:
         result["peak_allocated_mib"] = mib(torch.cuda.max_memory_allocated(device))
-    del train, opt, model, rollout
+    del role, model, rollout, warm
     if cuda:
         torch.cuda.empty_cache()
     return result
