@@ -75,6 +75,22 @@ def test_validate_names_pod_settings_that_cannot_work(tmp_path, example_doc) -> 
                          "spec.cluster.env[1].name: env names HYBRIDFLOW_*")
 
 
+def test_a_local_run_on_one_gpu_gives_the_critic_a_quarter_of_the_actors_gpu(capsys) -> None:
+    from hybridflow import DataflowGraph
+    from hybridflow.api import load_job
+    from hybridflow.cli import _fit_local_gpus
+
+    job = load_job(EXAMPLES / "tiny-ppo.yaml")
+    _fit_local_gpus(job, 1)
+    assert job.spec.graph is not None
+    assert DataflowGraph.from_spec(job.spec.graph).get("critic").resources == {"GPU": 0.25}
+    assert ("the critic shares the actor's GPU: the built-in ppo graph needs 1.75 GPUs and this machine has 1"
+            in capsys.readouterr().out)
+    roomy = load_job(EXAMPLES / "tiny-ppo.yaml")
+    _fit_local_gpus(roomy, 2)
+    assert roomy.spec.graph is None and capsys.readouterr().out == ""
+
+
 def test_render_shows_the_examples_mounts_and_secret(tmp_path) -> None:
     out = hybridflow("render", str(EXAMPLES / "ppo-job.yaml"))
     assert out.returncode == 0, out.stderr

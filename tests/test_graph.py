@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hybridflow import DataflowGraph, Edge, GraphError, Node
-from hybridflow.api import load_job
-from hybridflow.graph import devices_needed
-from hybridflow.plan import trainable_graph
+from hybridflow.api import load_job, parse_job
+from hybridflow.graph import builtin_graph, devices_needed, gpus_needed, graph_for_gpus
+from hybridflow.plan import step_plan, trainable_graph
 from tests.conftest import EXAMPLES
 
 
@@ -99,6 +99,37 @@ def test_builtin_graphs() -> None:
     assert "critic" not in {n.role for n in trainable_graph(grpo, "GPU").nodes}
     cpu = trainable_graph(load_job(EXAMPLES / "tiny-ppo.yaml").spec, "CPU")
     assert all("GPU" not in n.resources for n in cpu.nodes)
+
+
+def test_one_gpu_trains_ppo_with_the_critic_in_the_actors_pool() -> None:
+    """The built-in ppo graph asks a GPU for the actor's roles and one for the critic; on a one-GPU machine the
+    critic, still a process of its own, joins the actor's pool and takes a quarter of that GPU, and the graph
+    passes the plan's checks."""
+    tiny = load_job(EXAMPLES / "tiny-ppo.yaml").spec
+    assert gpus_needed(builtin_graph(tiny, "GPU")) == 1.75
+    compact = graph_for_gpus(tiny, 1)
+    assert compact is not None and gpus_needed(compact) == 1
+    assert {n.pool for n in compact.nodes} == {"actor"}
+    assert sorted(sorted(n.role for n in g.nodes) for g in compact.colocation_groups()) == [
+        ["actor_rollout", "reference", "reward"], ["critic"]]
+    assert compact.get("critic").resources == {"GPU": 0.25} and compact.get("actor_rollout").resources == {"GPU": 0.5}
+    compact.check_capacity({"GPU": 1})
+    tiny.graph = compact.to_spec()
+    step_plan(trainable_graph(tiny, "GPU"), tiny)
+    assert graph_for_gpus(tiny, 1) is None  # a written graph stands
+
+
+def test_the_built_in_graph_stands_where_it_fits_or_nothing_fits() -> None:
+    tiny = load_job(EXAMPLES / "tiny-ppo.yaml").spec
+    assert graph_for_gpus(tiny, 2) is None
+    assert graph_for_gpus(load_job(EXAMPLES / "tiny-grpo.yaml").spec, 1) is None  # no critic to move
+    doc = load_job(EXAMPLES / "tiny-ppo.yaml").model_dump(mode="json", by_alias=True)
+    doc["spec"]["reward"] = {"type": "model", "model": {"path": "builtin:tiny"}}
+    with_model = parse_job(doc).spec
+    compact = builtin_graph(with_model, "GPU", critic_with_actor=True)
+    shares = {n.role: n.resources.get("GPU", 0.0) for n in compact.nodes}
+    assert shares == {"actor_rollout": 0.25, "reward": 0.25, "reference": 0.25, "critic": 0.25}
+    assert graph_for_gpus(with_model, 1) is not None and graph_for_gpus(with_model, 0.5) is None
 
 
 def test_spec_graph_round_trip() -> None:

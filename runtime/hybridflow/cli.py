@@ -93,7 +93,10 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
     init_ray(local, getattr(args, "num_cpus", None))
     import ray
 
-    accelerator = "GPU" if ray.cluster_resources().get("GPU", 0) > 0 else "CPU"
+    gpus = ray.cluster_resources().get("GPU", 0)
+    accelerator = "GPU" if gpus > 0 else "CPU"
+    if local and accelerator == "GPU":
+        _fit_local_gpus(job, gpus)
     problems = preflight(job.spec, accelerator)
     if problems:
         print(SpecError(config, problems).render(), file=sys.stderr)
@@ -126,6 +129,17 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
     written = metrics_out if "jsonl" in job.spec.trainer.loggers.backends else None
     _summarise(result, written, time.perf_counter() - t0)
     return 0
+
+
+def _fit_local_gpus(job: RLTrainingJob, gpus: float) -> None:
+    """On a machine with fewer GPUs than the built-in graph asks for, the critic joins the actor's process."""
+    from hybridflow.graph import builtin_graph, gpus_needed, graph_for_gpus
+
+    compact = graph_for_gpus(job.spec, gpus)
+    if compact is not None:
+        print(f"the critic shares the actor's GPU: the built-in {job.spec.algorithm.name} graph needs "
+              f"{gpus_needed(builtin_graph(job.spec, 'GPU')):g} GPUs and this machine has {gpus:g}", flush=True)
+        job.spec.graph = compact.to_spec()
 
 
 def _serve_dashboard(job: RLTrainingJob, port: int) -> None:

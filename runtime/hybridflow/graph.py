@@ -226,11 +226,10 @@ class DataflowGraph:
 
     def check_capacity(self, capacity: Mapping[str, float], per_node_max: Mapping[str, float] | None = None) -> None:
         """Raise GraphError naming what is missing when the plan exceeds `capacity` (cluster totals)."""
-        need: dict[str, float] = {}
+        need = self.demand()
         problems = []
         for g in self.colocation_groups():
             for res, amount in g.bundle.items():
-                need[res] = need.get(res, 0.0) + amount * g.parallelism
                 if per_node_max is not None and amount > per_node_max.get(res, 0.0) + 1e-9:
                     names = ", ".join(n.name for n in g.nodes)
                     problems.append(
@@ -245,6 +244,14 @@ class DataflowGraph:
                 )
         if problems:
             raise GraphError(problems)
+
+    def demand(self) -> dict[str, float]:
+        """Resources the whole plan asks of a cluster: every instance's bundle, fractions of a GPU included."""
+        need: dict[str, float] = {}
+        for g in self.colocation_groups():
+            for res, amount in g.bundle.items():
+                need[res] = need.get(res, 0.0) + amount * g.parallelism
+        return need
 
     def pool_demand(self) -> dict[str, dict[str, float]]:
         """Total resources each pool needs: the operator sizes worker groups from this.
@@ -318,14 +325,17 @@ def rollout_gpus(spec: RLTrainingJobSpec) -> int:
 
 
 def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = "GPU",
-                  parallelism: int = 1, critic_parallelism: int | None = None) -> DataflowGraph:
+                  parallelism: int = 1, critic_parallelism: int | None = None,
+                  critic_with_actor: bool = False) -> DataflowGraph:
     """The algorithm's graph: actor_rollout, reference and reward share bundles; the critic, for the
-    algorithms that train one (ppo), has its own pool. grpo, rloo and reinforce_plus_plus(_baseline) share
-    the critic-free graph.
+    algorithms that train one (ppo), runs in a process of its own, in a pool of its own on GPUs, and in the
+    actor's pool on CPUs or with `critic_with_actor`. grpo, rloo and reinforce_plus_plus(_baseline) share the
+    critic-free graph.
 
     The critic's parallelism defaults to the actor's, rounded up to a multiple of its sequence-parallel size.
-    On GPUs each actor bundle is one GPU split 0.5/0.25/0.25 between actor, reference and reward; a
-    reference that shares the LoRA policy's module (reference_in_policy) holds no model and asks for none.
+    On GPUs each actor bundle is a GPU split 0.5/0.25/0.25 between actor, reference and reward; a reference
+    that shares the LoRA policy's module (reference_in_policy) holds no model and asks for none. A critic in
+    the actor's pool takes a quarter of that GPU, and the actor gives up what the four would need beyond it.
     A vLLM engine of tensorParallelSize N > 1 makes the bundle N whole GPUs, all the actor's: the engine's
     workers are the actor process's children on them, and reward and reference models run in that process on
     the same GPUs (a share above 1 must be whole, so N cannot be split 2:1:1 for every N).
@@ -335,23 +345,45 @@ def builtin_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = 
     gpu = accelerator == "GPU"
     tp = rollout_gpus(spec)
     split = gpu and tp == 1
-    actor_res: dict[str, float] = {"GPU": 0.5 if tp == 1 else float(tp)} if gpu else {"CPU": 1.0}
+    critic_in_actor_pool = spec.algorithm.trains_critic and (not gpu or (critic_with_actor and split))
+    share: dict[str, float] = {"GPU": 0.25} if split else {}
+    reward_res = dict(share) if spec.reward.type == "model" else {}
+    ref_res = dict(share) if not reference_in_policy(spec) else {}
+    critic_res: dict[str, float] = dict(share) if critic_in_actor_pool and gpu else {"GPU": 1} if gpu else {"CPU": 1}
+    actor_res: dict[str, float] = {"CPU": 1.0} if not gpu else {"GPU": 0.5} if split else {"GPU": float(tp)}
+    if split and critic_in_actor_pool:
+        held = [reward_res, ref_res if needs_reference(spec) else {}, critic_res]
+        actor_res = {"GPU": 1.0 - sum(r.get("GPU", 0.0) for r in held)}
     actor = g.node(Node("actor_rollout", "actor_rollout", actor_res, parallelism, "actor"))
-    consumers: list[Node] = []
-    reward_res = {"GPU": 0.25} if split and spec.reward.type == "model" else {}
-    consumers.append(g.node(Node("reward_score", "reward", reward_res, parallelism, "actor")))
+    consumers: list[Node] = [g.node(Node("reward_score", "reward", reward_res, parallelism, "actor"))]
     if needs_reference(spec):
-        ref_res = {"GPU": 0.25} if split and not reference_in_policy(spec) else {}
         consumers.append(g.node(Node("reference", "reference", ref_res, parallelism, "actor")))
     trainer = actor
     if spec.algorithm.trains_critic:
         sp = spec.model.critic.sequence_parallel  # ranks come in sequence-parallel groups of sp
         cpar = critic_parallelism or -(-parallelism // sp) * sp
-        critic = g.node(Node("critic", "critic", {"GPU": 1} if gpu else {"CPU": 1}, cpar, "critic" if gpu else "actor"))
+        critic = g.node(Node("critic", "critic", critic_res, cpar, "actor" if critic_in_actor_pool else "critic"))
         consumers.append(critic)
         trainer = critic
     _add_loop(g, actor, consumers, trainer, spec.scheduling.consistency)
     return g
+
+
+def gpus_needed(graph: DataflowGraph) -> float:
+    """GPUs the graph asks of a cluster (DataflowGraph.demand: a 0.75 and a 0.25 bundle fit one GPU)."""
+    return graph.demand().get("GPU", 0.0)
+
+
+def graph_for_gpus(spec: RLTrainingJobSpec, gpus: float) -> DataflowGraph | None:
+    """For a run on one machine of `gpus` GPUs: when the built-in graph asks for more and the critic in the
+    actor's process fits, that graph (a laptop's one GPU trains ppo as verl co-locates every model); else None,
+    and the built-in graph stands. A written spec.graph is never replaced."""
+    if spec.graph is not None or not spec.algorithm.trains_critic:
+        return None
+    if gpus_needed(builtin_graph(spec, "GPU")) <= gpus:
+        return None
+    compact = builtin_graph(spec, "GPU", critic_with_actor=True)
+    return compact if gpus_needed(compact) <= gpus else None
 
 
 def spec_graph(spec: RLTrainingJobSpec, accelerator: Literal["GPU", "CPU"] = "GPU",
