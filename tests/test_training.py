@@ -48,11 +48,11 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def test_ppo_improves_and_writes_metrics_and_plot(example_doc, tmp_path) -> None:
-    job = tiny_job(example_doc, "tiny-ppo.yaml", tmp_path, steps=18)
+    job = tiny_job(example_doc, "tiny-ppo.yaml", tmp_path, steps=24)
     seen: list[dict] = []
     result = run_training(job, str(tmp_path / "m.jsonl"), seen.append)
     recs = read_metrics(tmp_path / "m.jsonl")
-    assert [r["step"] for r in recs] == list(range(1, 19))
+    assert [r["step"] for r in recs] == list(range(1, 25))
     assert recs[0]["reward_mean"] < 0.2
     assert recs[-1]["reward_mean"] > recs[0]["reward_mean"] + 0.15
     for key in ("reward_mean", "kl", "actor_loss", "critic_loss", "entropy", "response_length", "tokens_per_s",
@@ -60,7 +60,7 @@ def test_ppo_improves_and_writes_metrics_and_plot(example_doc, tmp_path) -> None
         assert all(key in r and math.isfinite(r[key]) for r in recs), key
     assert 0.0 <= recs[-1]["orchestration_overhead_frac"] < 1.0
     assert Path(result["plot"]).stat().st_size > 10_000
-    assert seen and seen[-1]["step"] == 18
+    assert seen and seen[-1]["step"] == 24
 
 
 def test_grpo_improves_without_a_critic(example_doc, tmp_path) -> None:
@@ -268,13 +268,11 @@ def test_one_step_off_policy_still_learns_and_every_update_crosses_the_control_e
     assert saved["data"] == sampler.state_dict()
 
 
-def test_one_step_off_policy_ppo_learns_at_half_the_step(example_doc, tmp_path) -> None:
-    """The tiny PPO job's step (actorLr 1e-3, clipRatio 0.2, 8 optimizer steps per update) is too large for
-    samples one update old: measured on 2 cores, eventual peaks at 0.92 and ends at 0.71 (0.75 with
-    behaviourWeightCap 1, 0.80 with clipRatio 0.1, 0.89 with actorLr 5e-4). With both halved it ends at 0.99,
-    as strong does at that learning rate."""
-    job = tiny_job(example_doc, "tiny-ppo.yaml", tmp_path, steps=80, actorLr=5e-4)
-    job.spec.algorithm.clip_ratio = 0.1
+def test_one_step_off_policy_ppo_learns_as_shipped(example_doc, tmp_path) -> None:
+    """The tiny PPO job under eventual consistency. Measured on 2 cores: as shipped (actorLr 5e-4, clipRatio
+    0.2, entropyCoef 0.01) it ends at 0.98, as strong does; with actorLr 1e-3 and no entropy bonus, a step too
+    large for samples one update old, it peaked at 0.92 and ended at 0.71."""
+    job = tiny_job(example_doc, "tiny-ppo.yaml", tmp_path, steps=80)
     job.spec.scheduling.consistency = "eventual"
     result = run_training(job, str(tmp_path / "m.jsonl"))
     recs = result["records"]
