@@ -132,7 +132,8 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
 
 
 def _fit_local_gpus(job: RLTrainingJob, gpus: float) -> None:
-    """On a machine with fewer GPUs than the built-in graph asks for, the critic joins the actor's process."""
+    """On a machine with fewer GPUs than the built-in graph asks for, the critic takes a share of the actor's
+    GPU (graph.graph_for_gpus)."""
     from hybridflow.graph import builtin_graph, gpus_needed, graph_for_gpus
 
     compact = graph_for_gpus(job.spec, gpus)

@@ -375,9 +375,10 @@ def gpus_needed(graph: DataflowGraph) -> float:
 
 
 def graph_for_gpus(spec: RLTrainingJobSpec, gpus: float) -> DataflowGraph | None:
-    """For a run on one machine of `gpus` GPUs: when the built-in graph asks for more and the critic in the
-    actor's process fits, that graph (a laptop's one GPU trains ppo as verl co-locates every model); else None,
-    and the built-in graph stands. A written spec.graph is never replaced."""
+    """For a run on one machine of `gpus` GPUs: when the built-in graph asks for more and one with the critic in
+    the actor's pool (a process of its own on a share of the actor's GPU) fits, that graph: a laptop's one GPU
+    trains ppo, as verl co-locates every model; else None, and the built-in graph stands. A written spec.graph
+    is never replaced."""
     if spec.graph is not None or not spec.algorithm.trains_critic:
         return None
     if gpus_needed(builtin_graph(spec, "GPU")) <= gpus:
