@@ -31,6 +31,7 @@ time:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -144,6 +145,10 @@ def synced(role: Any, model: torch.nn.Module) -> None:
         raise AssertionError(f"{len(off)} weights of the inference copy differ from the trained ones: {off[:3]}")
 
 
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
 def check_fsdp(device: torch.device, backend: str) -> dict[str, Any]:
     from hybridflow.workers.training import local
 
@@ -213,7 +218,7 @@ def check_reshard(device: torch.device, backend: str) -> dict[str, Any]:
     own, _ = tiny_policy(device)
     streamed = TorchRollout(model, tok, Rollout(), 8, 4, device, generation=own, bucket_bytes=16 << 10)
     moved = streamed.sync_weights(model, 1)
-    if not all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), own.state_dict().values(), strict=True)):
+    if not same_weights(model, own):
         raise AssertionError("generation's own copy differs from the policy after a bucketed sync")
     return {"weights": len(role.layout.names), "sync_seconds": round(seconds, 4), "version": batch.policy_version,
             "streamed_bytes": moved}
@@ -268,40 +273,39 @@ def check_scale(device: torch.device, backend: str) -> dict[str, Any]:
         torch.cuda.synchronize(device)
         return torch.cuda.memory_allocated(device)
 
+    def measured(op: Callable[[], object]) -> tuple[float, float | None]:
+        """(seconds, MiB allocated beyond what was held before; None off a GPU) of op()."""
+        base = settle()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        op()
+        settle()
+        seconds = time.perf_counter() - t0
+        return seconds, mib(torch.cuda.max_memory_allocated(device) - base) if cuda else None
+
+    def bf16_llama() -> torch.nn.Module:
+        with torch.device(device):
+            model: torch.nn.Module = LlamaForCausalLM(config)
+        return model.to(torch.bfloat16)
+
     one_rank_group(backend)
     tok = tiny_tokenizer()
     config = LlamaConfig(**shape, max_position_embeddings=max(seq, 256), tie_word_embeddings=False,
                          pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
-    with torch.device(device):
-        model: torch.nn.Module = LlamaForCausalLM(config)
-    model = model.to(torch.bfloat16)
+    model = bf16_llama()
     role = role_training(model, 1e-4, device, sharded=True, options=Training(gradient_checkpointing=True))
     ids = torch.randint(4, shape["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
     _, steps = train_steps(role, ids, 3, settle)
+    training_peak = mib(torch.cuda.max_memory_allocated(device)) if cuda else None
     copy_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    base = settle()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    role.sync()
-    settle()
-    sync = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+    sync, sync_peak = measured(role.sync)
     synced(role, model)
-    with torch.device(device):
-        own: torch.nn.Module = LlamaForCausalLM(config)
-    own = own.to(torch.bfloat16)
+    own = bf16_llama()
     streamed = TorchRollout(model, tok, Rollout(), 16, 4, device, generation=own)
-    base = settle()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    streamed.sync_weights(model, 1)
-    settle()
-    stream = time.perf_counter() - t0
-    stream_peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
-    if not all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), own.state_dict().values(), strict=True)):
+    stream, stream_peak = measured(functools.partial(streamed.sync_weights, model, 1))
+    if not same_weights(model, own):
         raise AssertionError("the streamed copy differs from the inference copy")
     del streamed, own
     rows = (load_rows("builtin:tiny_task", "prompt", "answer") * prompts)[:prompts]
@@ -317,16 +321,16 @@ def check_scale(device: torch.device, backend: str) -> dict[str, Any]:
     result: dict[str, Any] = {
         "parameters": sum(p.numel() for p in model.parameters()), "shape": shape, "batch": [batch, seq],
         "step_seconds": [round(s, 3) for s in steps],
-        "training_mib": {k: mib(v) for k, v in role.memory_bytes().items()},
+        "training_mib": {k: mib(v) for k, v in role.memory_bytes().items()}, "training_peak_mib": training_peak,
         "inference_copy_mib": mib(copy_bytes), "sync_seconds": round(sync, 4),
         "sync_gib_per_s": round(copy_bytes / sync / 2**30, 2),
-        "sync_peak_extra_mib": None if peak is None else mib(peak),
+        "sync_peak_extra_mib": sync_peak,
         "stream_seconds": round(stream, 4), "stream_bucket_mib": mib(DEFAULT_BUCKET_BYTES),
-        "stream_peak_extra_mib": None if stream_peak is None else mib(stream_peak),
+        "stream_peak_extra_mib": stream_peak,
         "generate_seconds": round(generate, 3), "generated_tokens": tokens,
         "generate_tokens_per_s": round(tokens / generate, 1),
     }
-    if cuda:
+    if cuda:  # the peak since the stream began: the second copy and the KV cache beside the training state
         result["peak_allocated_mib"] = mib(torch.cuda.max_memory_allocated(device))
     del role, model, rollout, warm
     if cuda:
