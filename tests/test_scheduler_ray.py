@@ -219,6 +219,14 @@ class TestSingleNode:
         s.setup_distributed_all()  # the restarted rank 0 starts without the flag
         assert ray.get([h.all_reduce_rank.remote() for h in s.hosts("critic")]) == [3.0, 3.0]
 
+    def test_rejoin_waits_again_for_a_host_that_dies_after_answering(self, local_sched: HybridScheduler) -> None:
+        """A recovery's rejoin: every host answers, then rank 0 dies as the ranks form (as a host killed just
+        before it answered does); rejoin waits for its restart and forms the group."""
+        s = local_sched
+        ray.get(s.hosts("critic")[0].die_in_next_setup.remote())
+        s.rejoin(timeout=120)
+        assert ray.get([h.all_reduce_rank.remote() for h in s.hosts("critic")]) == [3.0, 3.0]
+
     def test_wait_ready_names_a_host_that_stays_dead(self, local_sched: HybridScheduler) -> None:
         # runs late in the class: it leaves critic instance 1 dead for good
         name = local_sched.get_status()["nodes"]["critic"]["workers"][1]["actor"]

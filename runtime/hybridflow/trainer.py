@@ -705,8 +705,7 @@ class Trainer:
             raise RuntimeError(f"giving up after {self.recoveries - 1} recoveries: {error}") from error
         log.warning("worker lost at step %d (%s); restoring the last checkpoint", self.step + 1,
                     type(error).__name__)
-        self.scheduler.wait_ready(self.spec.scheduling.placement_timeout_seconds)
-        self.scheduler.setup_distributed_all()
+        self.scheduler.rejoin(self.spec.scheduling.placement_timeout_seconds)
         if not self._restore_latest():
             ray.get([h.reset.remote() for _, h in self._instances()])
             self.step = 0

@@ -288,6 +288,21 @@ class HybridScheduler:
         """(Re)build torch.distributed for every data-parallel group: rank 0's ip and a free port of its."""
         self._setup_distributed([g for g in self._groups.values() if g.plan.data_parallel])
 
+    def rejoin(self, timeout: float) -> None:
+        """After a host died: wait until every host answers (wait_ready), then rebuild the ranks. A host can
+        answer and die after, its restart not yet under way when it answered: the setup then meets a lost
+        worker, and both are tried again until `timeout` runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.wait_ready(max(0.0, deadline - time.monotonic()))
+            try:
+                self.setup_distributed_all()
+                return
+            except WORKER_LOST:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("a host died while the ranks re-formed; waiting for it again")
+
     def _setup_distributed(self, groups: list[_Group]) -> None:
         calls: list[tuple[str, ray.ObjectRef]] = []
         for g in groups:
