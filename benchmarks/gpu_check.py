@@ -118,7 +118,9 @@ def role_training(model: torch.nn.Module, lr: float, device: torch.device, shard
 
 def train_steps(role: Any, ids: torch.Tensor, steps: int, settle: Callable[[], object] = lambda: None
                 ) -> tuple[list[float], list[float]]:
-    """`steps` optimiser steps on a language-model loss, as the actor's update runs them: (losses, seconds)."""
+    """`steps` optimiser steps on a language-model loss, as the actor's update runs them (the inference copy
+    released, until the caller's `sync`): (losses, seconds)."""
+    role.release()
     losses, seconds = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -299,8 +301,9 @@ def check_scale(device: torch.device, backend: str) -> dict[str, Any]:
     ids = torch.randint(4, shape["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
     _, steps = train_steps(role, ids, 3, settle)
     training_peak = mib(torch.cuda.max_memory_allocated(device)) if cuda else None
-    copy_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    released = role.inference_copy_bytes()
     sync, sync_peak = measured(role.sync)
+    copy_bytes = role.inference_copy_bytes()
     synced(role, model)
     own = bf16_llama()
     streamed = TorchRollout(model, tok, Rollout(), 16, 4, device, generation=own)
@@ -322,7 +325,8 @@ def check_scale(device: torch.device, backend: str) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in model.parameters()), "shape": shape, "batch": [batch, seq],
         "step_seconds": [round(s, 3) for s in steps],
         "training_mib": {k: mib(v) for k, v in role.memory_bytes().items()}, "training_peak_mib": training_peak,
-        "inference_copy_mib": mib(copy_bytes), "sync_seconds": round(sync, 4),
+        "inference_copy_mib": mib(copy_bytes), "inference_copy_mib_in_training": mib(released),
+        "sync_seconds": round(sync, 4),
         "sync_gib_per_s": round(copy_bytes / sync / 2**30, 2),
         "sync_peak_extra_mib": sync_peak,
         "stream_seconds": round(stream, 4), "stream_bucket_mib": mib(DEFAULT_BUCKET_BYTES),

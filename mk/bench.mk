@@ -7,7 +7,9 @@
 #   make bench-runtime BENCH_ARGS=--render  redraw runtime.png and the README section from runtime.json
 #                                           (prose: benchmarks/templates/runtime.md)
 #   make bench-weight-sync                  full state-dict copy vs bucketed streaming after an update, plain
-#                                           and FSDP2 on 2 gloo ranks (~1 minute): results/weight_sync.json
+#                                           and FSDP2 on 2 gloo ranks, and the sharded update's peak memory
+#                                           with the inference copy held or released (~2 minutes):
+#                                           results/weight_sync.json
 #   make bench-offpolicy                    strong vs eventual consistency (one-step off-policy pipelining) on a
 #                                           three-raylet local cluster, both workloads (~6 minutes):
 #                                           results/offpolicy.json, offpolicy.png

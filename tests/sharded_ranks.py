@@ -49,18 +49,17 @@ def new_training(dtype: str = "float32", lr: float = LR, **options: Any) -> Role
 
 def train(training: RoleTraining, batch: RolloutBatch, steps: int, micro: int | None = None,
           agg: str = "token-mean") -> dict[str, float]:
-    """`steps` optimiser steps, each on the whole batch (no clipping: max norm 1e9); the inference copy synced."""
+    """`steps` optimiser steps, each on the whole batch (no clipping: max norm 1e9), as train_epochs runs them
+    (the inference copy synced at the end); `copy_bytes` is what the copy held during the last pass."""
 
     def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         logp, _ = response_log_probs(training.module, mb, CPU)
         loss = algos.agg_loss(-logp, mb.response_mask.float(), agg)
-        return loss, {"loss": loss.item()}
+        return loss, {"loss": loss.item(), "copy_bytes": float(training.inference_copy_bytes())}
 
-    out = train_epochs(training, batch, loss_fn, epochs=steps, steps_per_epoch=1,
-                       shuffle=torch.Generator().manual_seed(0), max_grad_norm=1e9, device=CPU,
-                       micro_batch_size=micro, agg=agg)
-    training.sync()
-    return out
+    return train_epochs(training, batch, loss_fn, epochs=steps, steps_per_epoch=1,
+                        shuffle=torch.Generator().manual_seed(0), max_grad_norm=1e9, device=CPU,
+                        micro_batch_size=micro, agg=agg)
 
 
 def weights(training: RoleTraining) -> dict[str, torch.Tensor]:
@@ -75,12 +74,22 @@ def ranks_main(rank: int, world: int, port: int, out: str, from_one: str) -> Non
     res: dict[str, Any] = {}
 
     t = new_training()
-    res["grad_norm"] = train(t, shard, 3)["grad_norm"]
+    res["copy_bytes_before"] = t.inference_copy_bytes()
+    first = train(t, shard, 3)
+    res["grad_norm"], res["copy_bytes_in_update"] = first["grad_norm"], first["copy_bytes"]
+    res["copy_bytes_after"] = t.inference_copy_bytes()
     res["w3"] = weights(t)
     res["memory_sharded"] = t.memory_bytes()
     t.save(Path(out) / "from_two")
     train(t, shard, 1)
     res["w4"] = weights(t)
+
+    lost = new_training()  # a rank lost in an update: the ranks are formed again and the checkpoint loaded
+    train(lost, shard, 1)
+    lost.release()
+    lost.invalidate()
+    lost.load(Path(out) / "from_two")
+    res["w3_recovered"] = weights(lost)
 
     resumed = new_training()
     resumed.load(from_one)

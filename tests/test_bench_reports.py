@@ -4,6 +4,8 @@ results file of another format is refused rather than read."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,20 @@ def test_weight_sync_section_is_rendered_from_weight_sync_json() -> None:
     assert fsdp["slices_match"]
     for case in (plain, fsdp):  # streaming never holds more than a full copy does
         assert case["bucketed"]["peak_extra_mib"] < case["full_copy"]["peak_extra_mib"]
+    update = results["update"]
+    assert update["copy_released"]["copy_mib_in_update"] == 0
+    assert update["copy_released"]["peak_rss_mib"] < update["copy_held"]["peak_rss_mib"]
+
+
+def test_the_update_case_holds_the_copy_only_when_told() -> None:
+    """The weight-sync benchmark's update case, on its small model: the runtime's update releases the copy."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.weight_sync", "--case", "update", "--quick",
+                           "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    held, released = result["copy_held"], result["copy_released"]
+    assert held["copy_mib_in_update"] == held["copy_mib"] == released["copy_mib"] > 0
+    assert released["copy_mib_in_update"] == 0
 
 
 def test_dispatch_section_is_rendered_from_dispatch_json() -> None:

@@ -33,6 +33,7 @@ def test_the_gpu_check_script_runs_its_cpu_parts(tmp_path: Path) -> None:
     scale = checks["scale"]["detail"]
     assert scale["training_mib"]["optimizer"] == 2 * scale["training_mib"]["params"]  # Adam's two fp32 moments
     assert scale["generated_tokens"] > 0
+    assert scale["inference_copy_mib_in_training"] == 0 < scale["inference_copy_mib"]
     tiny = checks["fused_steps"]["detail"]["tiny"]
     assert tiny["strong"]["lag"] == 0 and tiny["eventual"]["lag"] == 1
     assert min(tiny["strong"]["reward_last10"], tiny["eventual"]["reward_last10"]) >= 0.9

@@ -119,6 +119,24 @@ def test_each_rank_holds_half_the_training_state(runs: dict[str, Any]) -> None:
         assert 0.45 < sharded[part] / replicated[part] < 0.56, part
 
 
+def test_the_inference_copy_gives_its_memory_to_the_update_and_holds_the_trained_weights_after(
+        runs: dict[str, Any]) -> None:
+    """During a sharded update a rank holds its shards and nothing of the full copy; after it, the copy holds
+    every trained weight (the update's equality with one process is read from it)."""
+    ranks = runs["ranks"]
+    print(f"\ninference copy per rank: {ranks['copy_bytes_before']} bytes before the update, "
+          f"{ranks['copy_bytes_in_update']:.0f} during it, {ranks['copy_bytes_after']} after it")
+    assert ranks["copy_bytes_before"] > 0
+    assert ranks["copy_bytes_in_update"] == 0
+    assert ranks["copy_bytes_after"] == ranks["copy_bytes_before"]
+
+
+def test_a_rank_lost_in_an_update_recovers_from_the_checkpoint(runs: dict[str, Any]) -> None:
+    """An update that never finished leaves the copy released; forming the ranks again and loading the
+    checkpoint gives back exactly its weights."""
+    assert max_diff(runs["ranks"]["w3_recovered"], runs["ranks"]["w3"]) < TOL
+
+
 def test_bf16_weights_move_at_a_small_learning_rate_with_fp32_masters() -> None:
     """bf16 keeps 8 significant bits: an AdamW step of 1e-6 on a weight of size 1e-2 rounds away. The masters
     layout steps fp32 copies; stepping the bf16 weights themselves (the old way) leaves most unchanged."""

@@ -174,7 +174,6 @@ class ActorRolloutWorker:
                            max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device,
                            micro_batch_size=self.spec.trainer.training.micro_batch_size, agg=algo.loss_agg)
         self.version += 1
-        self.training.sync()
         out["actor_grad_norm"] = out.pop("grad_norm")
         out["policy_lag"] = float(lag)
         return out | training_footprint(self.model, self.training.layout.optimizer).record("actor")
@@ -210,8 +209,8 @@ class ActorRolloutWorker:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Weights given here restart the optimizer from them (see RoleTraining.invalidate)."""
         if "model" in state:
-            load_policy_weights(self.model, state["model"])
             self.training.invalidate()
+            load_policy_weights(self.model, state["model"])
         self.version = int(state["version"])
         self.shuffle.set_state(state["shuffle"])
         self.rollout.sync_weights(self.model, self.version)

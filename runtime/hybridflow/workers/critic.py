@@ -87,7 +87,6 @@ class CriticWorker:
                            steps_per_epoch=optimizer_steps(self.spec), shuffle=self.shuffle,
                            max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device,
                            micro_batch_size=self.spec.trainer.training.micro_batch_size, agg=algo.loss_agg)
-        self.training.sync()
         out["critic_grad_norm"] = out.pop("grad_norm")
         return out
 
@@ -98,8 +97,8 @@ class CriticWorker:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Weights given here restart the optimizer from them (see RoleTraining.invalidate)."""
         if "model" in state:
-            self.model.load_state_dict(state["model"])
             self.training.invalidate()
+            self.model.load_state_dict(state["model"])
         self.shuffle.set_state(state["shuffle"])
 
     def load_training(self, directory: str) -> None:

@@ -8,8 +8,10 @@
               (bf16 holds 8 significant bits: at lr 1e-6 most updates of bf16 weights round to nothing.)
     plain     otherwise, with an fp32 model: AdamW steps the model's own parameters.
 
-Unsharded ranks all-reduce their gradients (distributed.average_gradients). The role's `model` stays a full
-copy for generation and log-probs in every layout; `sync()` refreshes it after an update.
+Unsharded ranks all-reduce their gradients (distributed.average_gradients). The role's `model` is a full
+copy for generation and log-probs in every layout. Under the sharded layout an update reads only the shards, so
+the copy's trainable weights give their memory back for it (`release`) and `sync()` gathers them again after
+it: a rank holds the whole policy only while generation and scoring need it.
 
 The layout is built lazily, on the first update after the ranks changed (`invalidate`, called when the
 process group is rebuilt). A rebuild starts from the full copy, so rescaling a group resets Adam's moments
@@ -137,12 +139,18 @@ class RoleTraining:
         self.model, self.lr, self.options, self.device = model, lr, options, device
         self._layout: Layout | None = None
         self._checkpointing = False
+        self._released: dict[str, torch.Size] = {}
+        """The shapes of the copy's weights while `release` holds their memory back."""
 
     # -- building --------------------------------------------------------------------------------
 
     def invalidate(self) -> None:
-        """The ranks changed: the next update rebuilds the layout from `model` (Adam's moments start over)."""
+        """The ranks changed: the next update rebuilds the layout from `model` (Adam's moments start over).
+
+        A copy still released here belongs to an update that never finished (a rank was lost in it): it gets its
+        memory back, unset, for the recovery's checkpoint load or fresh weights to fill."""
         self._layout = None
+        self._materialize()
 
     @property
     def layout(self) -> Layout:
@@ -208,15 +216,37 @@ class RoleTraining:
                     p.copy_(master)
         return norm
 
+    def release(self) -> None:
+        """Sharded layout: the inference copy's trained weights give their memory back until `sync`."""
+        lay = self.layout
+        if lay.kind != "sharded" or self._released:
+            return
+        own = dict(self.model.named_parameters())
+        for name in lay.names:
+            self._released[name] = own[name].shape
+            own[name].data = own[name].new_empty(0)
+
+    def _materialize(self) -> None:
+        own = dict(self.model.named_parameters())
+        for name, shape in self._released.items():
+            own[name].data = own[name].new_empty(shape)
+        self._released = {}
+
     @torch.no_grad()
     def sync(self) -> None:
-        """Copy the trained weights into the full inference copy (sharded: an all-gather per parameter)."""
+        """Copy the trained weights into the full inference copy (sharded: an all-gather per parameter, into the
+        memory `release` gave back)."""
         lay = self.layout
         if lay.kind != "sharded":
             return
+        self._materialize()
         own = dict(self.model.named_parameters())
         for name, p in zip(lay.names, lay.params, strict=True):
             own[name].copy_(full(p.detach()))
+
+    def inference_copy_bytes(self) -> int:
+        """What the inference copy holds now: its parameters' bytes (0 for the trained ones while released)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     # -- checkpoints -----------------------------------------------------------------------------
 
