@@ -174,18 +174,22 @@ def fsdp_rank(rank: int, world: int, port: int, config: dict[str, Any], repeats:
     dist.destroy_process_group()
 
 
-
-def fsdp_case(config: dict[str, Any], repeats: int, bucket_bytes: int, tmp: Path) -> dict[str, Any]:
+def two_ranks(rank_main: Callable[..., None], args: tuple[Any, ...], tmp: Path) -> list[dict[str, Any]]:
+    """`rank_main(rank, 2, port, *args, tmp)` on 2 processes; each rank's JSON from `tmp`."""
     import torch.multiprocessing as mp
 
     for attempt in range(3):  # a port another process took between choosing and binding: choose again
         try:
-            mp.spawn(fsdp_rank, args=(2, _free_port(), config, repeats, bucket_bytes, str(tmp)), nprocs=2)
+            mp.spawn(rank_main, args=(2, _free_port(), *args, str(tmp)), nprocs=2)
             break
         except Exception:
             if attempt == 2:
                 raise
-    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def fsdp_case(config: dict[str, Any], repeats: int, bucket_bytes: int, tmp: Path) -> dict[str, Any]:
+    ranks = two_ranks(fsdp_rank, (config, repeats, bucket_bytes), tmp)
     out: dict[str, Any] = {"ranks": 2, "tp": 2, "shard_mib": ranks[0]["shard_mib"],
                            "slices_match": all(r["slices_match"] for r in ranks)}
     for name in ("full_copy", "bucketed"):
@@ -255,18 +259,9 @@ def update_rank(rank: int, world: int, port: int, config: dict[str, Any], repeat
 
 def update_case(config: dict[str, Any], repeats: int, tmp: Path) -> dict[str, Any]:
     """Each way in a fresh pair of ranks; figures are the worse rank's."""
-    import torch.multiprocessing as mp
-
     out: dict[str, Any] = {"ranks": 2, "rows_per_rank": UPDATE_ROWS, "tokens": UPDATE_PROMPT + UPDATE_RESPONSE}
     for way, keep in (("copy_held", True), ("copy_released", False)):
-        for attempt in range(3):  # a port another process took between choosing and binding: choose again
-            try:
-                mp.spawn(update_rank, args=(2, _free_port(), config, repeats, keep, str(tmp)), nprocs=2)
-                break
-            except Exception:
-                if attempt == 2:
-                    raise
-        ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+        ranks = two_ranks(update_rank, (config, repeats, keep), tmp)
         out[way] = {k: max(r[k] for r in ranks) for k in ranks[0]}
     return out
 
