@@ -171,6 +171,7 @@ def fsdp_rank(rank: int, world: int, port: int, config: dict[str, Any], repeats:
     check = {k: torch.equal(slices[k], tp_slice(k, v.full_tensor(), rank, world)) for k, v in state.items()}
     result["slices_match"] = all(check.values())
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # no rank tears its group down while a peer's gloo threads still talk to it
     dist.destroy_process_group()
 
 
@@ -254,6 +255,7 @@ def update_rank(rank: int, world: int, port: int, config: dict[str, Any], repeat
               "training_mib": sum(role.memory_bytes().values()) / MiB, "seconds": statistics.median(s for s, _ in runs),
               "peak_rss_mib": max(b for _, b in runs) / MiB}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 

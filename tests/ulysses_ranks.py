@@ -299,6 +299,7 @@ def main() -> None:
     distributed.setup("127.0.0.1", port, rank, world, "gloo", timeout_s=600.0, rendezvous_s=120.0)
     result = CASES[case](rank) if case in CASES else case_memory(rank, int(case.split(":")[1]))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()  # no rank tears its group down while a peer's gloo threads still talk to it
     torch.distributed.destroy_process_group()
 
 
