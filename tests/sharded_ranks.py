@@ -50,7 +50,7 @@ def new_training(dtype: str = "float32", lr: float = LR, **options: Any) -> Role
 def train(training: RoleTraining, batch: RolloutBatch, steps: int, micro: int | None = None,
           agg: str = "token-mean") -> dict[str, float]:
     """`steps` optimiser steps, each on the whole batch (no clipping: max norm 1e9), as train_epochs runs them
-    (the inference copy synced at the end); `copy_bytes` is what the copy held during the last pass."""
+    (the inference copy synced at the end); `copy_bytes` is what the copy held in the passes, their mean."""
 
     def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         logp, _ = response_log_probs(training.module, mb, CPU)
