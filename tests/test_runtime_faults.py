@@ -1,5 +1,6 @@
 """The fast part of the runtime fault campaign (benchmarks/chaos): a worker SIGKILLed while a checkpoint is
-written, and a checkpoint file system that fills up mid-write, on a multi-raylet cluster."""
+written or in a sharded critic's update, and a checkpoint file system that fills up mid-write, on a multi-raylet
+cluster."""
 
 from __future__ import annotations
 
@@ -37,6 +38,22 @@ def test_a_worker_killed_while_a_checkpoint_is_written_is_recovered(cluster, tmp
     assert out.redone is not None and out.redone <= rf.EVERY, out.summary()
     assert out.recovery_s is not None and out.recovery_s > 0
     assert out.checkpoint_files > 0 and out.unloadable == []
+    assert out.ok
+
+
+def test_a_critic_rank_killed_in_its_sharded_update_is_recovered(cluster, tmp_path) -> None:
+    """Two FSDP2 critic ranks; one dies in the update, while the other's inference copy is released for it: the
+    ranks form again, every role rolls back to the last checkpoint, and each step is in the metrics once."""
+    plan = rf.FaultPlan("worker_kill", "sharded_update", after_step=2)
+    for attempt in range(ATTEMPTS):
+        out = rf.fault_run(plan, tmp_path / f"try{attempt}", f"chaos-test-shard-{attempt}")
+        if out.killed:
+            break
+    assert out.killed and out.in_phase, f"no critic rank was killed in its update in {ATTEMPTS} runs: {out.notes}"
+    assert out.victim and "WorkerHost" in out.victim
+    assert out.completed, out.error
+    assert out.steps == sorted(set(out.steps)) and (out.duplicates, out.losses) == (0, 0), out.steps
+    assert out.redone is not None and out.redone <= rf.EVERY, out.summary()
     assert out.ok
 
 

@@ -51,6 +51,8 @@ PHASES: dict[str, Phase] = {p.name: p for p in (
     Phase("rollout", frozenset({"rollout"}), ("actor_rollout",)),
     Phase("reward", frozenset({"run"}), ("reward",)),
     Phase("update", frozenset({"update"})),
+    # a rank of the critic's two, FSDP2-sharded, killed in its update (its peer's inference copy is released then)
+    Phase("sharded_update", frozenset({"update"}), ("critic",)),
     # the torch engine generates with the trained module (the control edge's sync_policy after an update
     # copies nothing); weights move between processes when a trained group gains a rank: the new rank joins
     # the process group, then copies rank 0
@@ -59,7 +61,7 @@ PHASES: dict[str, Phase] = {p.name: p for p in (
     Phase("backpressure", new_host=True),
 )}
 ARM_STEPS: dict[str, tuple[int, int]] = {
-    "rollout": (1, STEPS - 3), "reward": (1, STEPS - 3), "update": (1, STEPS - 3),
+    "rollout": (1, STEPS - 3), "reward": (1, STEPS - 3), "update": (1, STEPS - 3), "sharded_update": (1, STEPS - 3),
     "checkpoint": (1, STEPS - 3), "weight_sync": (1, STEPS - 3), "backpressure": (0, REWARD_SLOTS - 2),
 }
 """The range of `after_step`: the fault lands in the first occurrence of the phase after that step. At least
@@ -140,7 +142,7 @@ def campaign_cluster() -> Iterator[Any]:
 
 def job_doc(name: str, checkpoint_path: Path, phase: str, steps: int = STEPS) -> dict[str, Any]:
     """The tiny PPO job with its reward on a node of its own (examples/tiny-ppo-remote-reward.yaml), smaller:
-    a slow reward for the reward and backpressure phases, two critic ranks for weight sync."""
+    a slow reward for the reward and backpressure phases, two critic ranks for weight sync and a sharded update."""
     doc = yaml.safe_load((EXAMPLES / "tiny-ppo-remote-reward.yaml").read_text())
     doc["metadata"]["name"] = name
     spec = doc["spec"]
@@ -154,7 +156,7 @@ def job_doc(name: str, checkpoint_path: Path, phase: str, steps: int = STEPS) ->
     if phase == "backpressure":
         nodes["reward"]["resources"] = {"CPU": 0.5, "chaos_reward": 1}
         spec["scheduling"].update(queueHighWatermark=1, backpressureWindow=1)
-    if phase == "weight_sync":
+    if phase in ("weight_sync", "sharded_update"):
         nodes["critic"]["parallelism"] = 2
     return doc
 
