@@ -16,7 +16,8 @@ Three cases on the CPU, each a fresh process so memory figures start clean:
 
 Figures: the median wall time of `--repeats` syncs, and peak extra memory: the process's peak resident set
 (Linux VmHWM, reset before each sync through /proc/self/clear_refs) minus its resident set at the start of
-the sync. tracemalloc would not see torch's tensors, which are not Python objects' memory.
+the sync; for the update case, the peak resident set itself. tracemalloc would not see torch's tensors, which
+are not Python objects' memory.
 Writes benchmarks/results/weight_sync.json and the table in benchmarks/README.md.
 """
 
