@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hybridflow.workers.training import local
+from hybridflow.workers.training import held_bytes
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,5 @@ def training_footprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     that this rank holds (its shard of a sharded tensor)."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    state = sum(local(v).numel() * local(v).element_size() for s in optimizer.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor))
+    state = held_bytes(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     return TrainingFootprint(trainable, total, state)

@@ -22,7 +22,7 @@ history, which a checkpoint (DCP, `save`/`load`) keeps exactly.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -96,6 +96,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: a DTensor's shard, or the tensor itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """The bytes this rank holds of `tensors` (a DTensor's shard; None counts nothing)."""
+    return sum(local(t).numel() * local(t).element_size() for t in tensors if t is not None)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -246,7 +251,7 @@ class RoleTraining:
 
     def inference_copy_bytes(self) -> int:
         """What the inference copy holds now: its parameters' bytes (0 for the trained ones while released)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return held_bytes(self.model.parameters())
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -298,10 +303,6 @@ class RoleTraining:
         16-bit gradients of the model), and the optimizer state. The inference copy is not counted, except
         where it is the stepped parameters (plain) or holds the gradients (masters)."""
         lay = self.layout
-
-        def size(ts: Sequence[torch.Tensor | None]) -> int:
-            return sum(local(t).numel() * local(t).element_size() for t in ts if t is not None)
-
         state = [v for s in lay.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         grads = [p.grad for p in lay.params] + [p.grad for p in lay.compute]
-        return {"params": size(lay.params), "grads": size(grads), "optimizer": size(state)}
+        return {"params": held_bytes(lay.params), "grads": held_bytes(grads), "optimizer": held_bytes(state)}
