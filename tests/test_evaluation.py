@@ -12,8 +12,8 @@ from hybridflow.api.spec import Evaluation, Rollout
 from hybridflow.data.prompts import load_prompts
 from hybridflow.evaluation import eval_due, eval_seed, last_val_reward, val_metrics
 from hybridflow.metrics import metrics_figure, panels
+from hybridflow.workers.decoding import Sampling
 from hybridflow.workers.host import WorkerHost
-from hybridflow.workers.rollout import Sampling
 from tests.conftest import ROOT
 
 ROLES = {"actor_rollout": "actor_rollout", "reward_score": "reward"}

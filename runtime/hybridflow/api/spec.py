@@ -314,7 +314,7 @@ class Rollout(ApiModel):
     )
 
     engine: Literal["torch", "vllm"] = "torch"
-    """`vllm` needs a GPU and the vllm extra; `torch` runs HF generate anywhere."""
+    """`vllm` needs a GPU and the vllm extra; `torch` (a torch sampling loop with a KV cache) runs anywhere."""
     samples_per_prompt: int = Field(1, ge=1, le=1024)
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -13,6 +13,7 @@ from hybridflow.algos import logprobs_from_logits
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.plan import SP_FIELDS, old_log_probs_from_update, optimizer_steps
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
+from hybridflow.workers.decoding import Sampling
 from hybridflow.workers.footprint import training_footprint
 from hybridflow.workers.modeling import (
     EntropyUse,
@@ -27,7 +28,7 @@ from hybridflow.workers.modeling import (
     token_entropy,
 )
 from hybridflow.workers.optim import train_epochs
-from hybridflow.workers.rollout import Sampling, make_rollout
+from hybridflow.workers.rollout import make_rollout
 from hybridflow.workers.training import RoleTraining
 from hybridflow.workers.ulysses import SequenceParallel, forward_tokens
 

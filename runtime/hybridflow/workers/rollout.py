@@ -1,40 +1,22 @@
-"""Rollout backends: `torch` (HF generate with KV cache, any device) and `vllm` (offline LLM on GPUs)."""
+"""Rollout backends: `torch` (the sampling loop of hybridflow.workers.decoding, any device) and `vllm` (offline
+LLM on GPUs)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from hybridflow.api.spec import Evaluation, Rollout
+from hybridflow.api.spec import Rollout
 from hybridflow.data.chat import CHAT, FORMAT_KEY
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
+from hybridflow.workers.decoding import Sampling, sample
 from hybridflow.workers.lora import is_lora, merged_weights
 from hybridflow.workers.modeling import load_causal_lm
 from hybridflow.workers.reshard import DEFAULT_BUCKET_BYTES, copy_into, pack, stream_buckets
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How responses are drawn: temperature 0 is greedy (argmax) decoding."""
-
-    temperature: float
-    top_p: float = 1.0
-
-    @staticmethod
-    def of(cfg: Rollout) -> Sampling:
-        return Sampling(cfg.temperature, cfg.top_p)
-
-    @staticmethod
-    def for_eval(ev: Evaluation, cfg: Rollout) -> Sampling:
-        """Greedy, or eval.temperature (else the rollout's) with the rollout's topP."""
-        if ev.greedy:
-            return Sampling(0.0)
-        return Sampling(ev.temperature if ev.temperature is not None else cfg.temperature, cfg.top_p)
 
 
 class RolloutBackend(Protocol):
@@ -137,7 +119,8 @@ def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
 
 
 class TorchRollout:
-    """HF generate, by default on the policy module itself (an update is visible at once, nothing to copy).
+    """Torch generation (workers.decoding), by default on the policy module itself (an update is visible at once,
+    nothing to copy).
 
     Given a `generation` module of its own (a plain copy next to a sharded trainer), sync_weights streams the
     trained weights into it bucket by bucket.
@@ -164,20 +147,10 @@ class TorchRollout:
         ids, mask = self.encode(rows)
         was_training = self.model.training
         self.model.eval()
-        sample = how.temperature > 0
         with seeded(seed, self.device):
-            out = self.model.generate(  # type: ignore[operator]  # HF's GenerationMixin, unknown to nn.Module
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                max_new_tokens=self.max_response_length, do_sample=sample,
-                temperature=how.temperature if sample else None, top_p=how.top_p if sample else None,
-                top_k=0 if sample else None,
-                pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id, use_cache=True,
-            )
+            resp = sample(self.model, ids.to(self.device), mask.to(self.device), self.max_response_length, how,
+                          self.tok.eos_token_id, self.tok.pad_token_id).cpu()
         self.model.train(was_training)
-        resp = out[:, ids.shape[1]:].cpu()
-        if resp.shape[1] < self.max_response_length:
-            resp = torch.nn.functional.pad(resp, (0, self.max_response_length - resp.shape[1]),
-                                           value=self.tok.pad_token_id)
         texts = self.tok.batch_decode(resp, skip_special_tokens=True)
         batch = assemble_batch(ids, mask, resp, self.tok.eos_token_id, self.tok.pad_token_id, rows, texts,
                                group_ids, policy_version)

@@ -1,0 +1,118 @@
+"""The torch engine's sampling loop, with a KV cache.
+
+Two things Hugging Face's `generate` does not do, which vLLM does by prefix caching and continuous batching:
+- a prompt repeated in a batch (a GRPO group's samples) is prefilled once, and its cache copied to each sample;
+- sequences that have written EOS leave the batch (`compacts`), so later decoding steps compute only
+  unfinished ones.
+Each sequence's tokens are drawn as `generate` draws them: argmax at temperature 0, else from
+softmax(logits / T) restricted to the top-p nucleus.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hybridflow.api.spec import Evaluation, Rollout
+from hybridflow.workers.modeling import position_ids
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How responses are drawn: temperature 0 is greedy (argmax) decoding."""
+
+    temperature: float
+    top_p: float = 1.0
+
+    @staticmethod
+    def of(cfg: Rollout) -> Sampling:
+        return Sampling(cfg.temperature, cfg.top_p)
+
+    @staticmethod
+    def for_eval(ev: Evaluation, cfg: Rollout) -> Sampling:
+        """Greedy, or eval.temperature (else the rollout's) with the rollout's topP."""
+        if ev.greedy:
+            return Sampling(0.0)
+        return Sampling(ev.temperature if ev.temperature is not None else cfg.temperature, cfg.top_p)
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`logits` with -inf outside each row's nucleus: the most probable tokens, fewest first, whose probabilities
+    reach `top_p` together (the most probable token always stays)."""
+    if top_p >= 1.0:
+        return logits
+    ordered, order = logits.sort(dim=-1, descending=True)
+    probs = ordered.softmax(-1)
+    before = probs.cumsum(-1) - probs  # the mass of the more probable tokens
+    drop = (before >= top_p).scatter(-1, order, before >= top_p)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def next_tokens(logits: torch.Tensor, how: Sampling) -> torch.Tensor:
+    """One token per row of [B, vocab] `logits`, drawn from torch's global generator."""
+    if how.temperature <= 0:
+        return logits.argmax(-1)
+    probs = nucleus(logits.float() / how.temperature, how.top_p).softmax(-1)
+    return torch.multinomial(probs, 1).squeeze(-1)
+
+
+def compacts(finished: int, batch: int) -> bool:
+    """Whether the finished rows leave the batch now: once they are an eighth of it (at least one). Leaving
+    copies the whole KV cache; a finished row that stays costs its share of each step until then."""
+    return finished >= max(1, batch // 8)
+
+
+def _cache_name(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its KV cache by: `cache` in newer transformers, else
+    `past_key_values`."""
+    base_of = getattr(model, "get_base_model", None)  # a PEFT model's own
+    base = base_of() if callable(base_of) else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
+def _returned_cache(out: Any) -> Any:
+    return out["cache"] if "cache" in out else out["past_key_values"]
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, how: Sampling,
+           eos_id: int | None, pad_id: int) -> torch.Tensor:
+    """[B, max_new_tokens] responses to the left-padded prompts `ids` (`mask` 1 on their tokens): each stops
+    after its EOS, and `pad_id` fills the rest."""
+    rows = ids.shape[0]
+    out_tokens = ids.new_full((rows, max_new_tokens), pad_id)
+    if rows == 0 or max_new_tokens == 0:
+        return out_tokens
+    key = _cache_name(model)
+    distinct, copy_of = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
+    width = ids.shape[1]
+    first_ids, first_mask = distinct[:, :width], distinct[:, width:]
+    pos = position_ids(first_mask)
+    out = model(input_ids=first_ids, attention_mask=first_mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    cache = _returned_cache(out)
+    cache.batch_select_indices(copy_of)  # each sample gets its prompt's cache
+    logits = out.logits[copy_of, -1]
+    pos = pos[copy_of, -1:]
+    alive = torch.arange(rows, device=ids.device)  # the response each row of the batch writes
+    done = torch.zeros(rows, dtype=torch.bool, device=ids.device)
+    for t in range(max_new_tokens):
+        token = next_tokens(logits, how)
+        out_tokens[alive[~done], t] = token[~done]
+        if eos_id is not None:
+            done |= token == eos_id
+        finished = int(done.sum())
+        if t == max_new_tokens - 1 or finished == len(done):
+            break
+        if compacts(finished, len(done)):
+            keep = (~done).nonzero().squeeze(-1)
+            alive, token, mask, pos, done = alive[keep], token[keep], mask[keep], pos[keep], done[keep]
+            cache.batch_select_indices(keep)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        pos = pos + 1
+        out = model(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=pos, use_cache=True,
+                    **{key: cache})
+        logits = out.logits[:, -1]
+    return out_tokens

@@ -1,0 +1,101 @@
+"""The torch engine's sampling loop: the tokens Hugging Face's `generate` would write, drawn from the same
+distribution, with a repeated prompt prefilled once and finished sequences out of the batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hybridflow.data.tiny import ensure_tiny_model
+from hybridflow.workers.decoding import Sampling, compacts, next_tokens, nucleus, sample
+from hybridflow.workers.modeling import load_causal_lm, load_tokenizer
+from hybridflow.workers.rollout import left_pad
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def tiny() -> tuple[Any, Any]:
+    path = str(ensure_tiny_model())
+    return load_causal_lm(path, "float32", torch.device("cpu")).eval(), load_tokenizer(path)
+
+
+def prompts(tok: Any, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    return left_pad([tok(t)["input_ids"] for t in texts], tok.pad_token_id)
+
+
+TEXTS = ["1 2 3", "4 5", "7 0 9 8", "1 2 3", "6", "4 5"]  # the tiny task's digits; repeats, left padding
+
+
+def test_greedy_responses_are_those_of_hf_generate(tiny: tuple[Any, Any]) -> None:
+    model, tok = tiny
+    ids, mask = prompts(tok, TEXTS)
+    ours = sample(model, ids, mask, NEW, Sampling(0.0), tok.eos_token_id, tok.pad_token_id)
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    theirs = torch.nn.functional.pad(theirs, (0, NEW - theirs.shape[1]), value=tok.pad_token_id)
+    assert torch.equal(ours, theirs)
+
+
+def test_a_repeated_prompt_is_prefilled_once_and_finished_sequences_leave_the_batch(
+        tiny: tuple[Any, Any]) -> None:
+    model, tok = tiny
+    ids, mask = prompts(tok, TEXTS * 3)  # 18 rows: two finished rows make an eighth
+    rows: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: rows.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    try:
+        torch.manual_seed(3)
+        out = sample(model, ids, mask, NEW, Sampling(1.5), tok.eos_token_id, tok.pad_token_id)
+    finally:
+        hook.remove()
+    assert rows[0] == len(set(TEXTS))  # the prefill
+    is_eos = out == tok.eos_token_id
+    ended = torch.where(is_eos.any(1), is_eos.int().argmax(1), NEW).tolist()  # where each response wrote EOS
+    assert sorted(ended)[1] < NEW - 2, "fewer than two responses ended early: the case is not exercised"
+    batch, want = len(ended), []
+    for t in range(NEW - 1):  # the rows of the pass that draws token t + 1
+        finished = sum(e <= t for e in ended) - (len(ended) - batch)
+        if finished == batch:
+            break
+        if compacts(finished, batch):
+            batch -= finished
+        want.append(batch)
+    assert rows[1:] == want
+    assert want[-1] < len(ended)
+    for row, end in enumerate(ended):
+        assert bool((out[row, end + 1:] == tok.pad_token_id).all())
+
+
+def test_finished_rows_leave_once_they_are_an_eighth_of_the_batch() -> None:
+    assert [compacts(f, 16) for f in (1, 2)] == [False, True]
+    assert [compacts(f, 4) for f in (0, 1)] == [False, True]
+
+
+def test_the_nucleus_is_the_fewest_most_probable_tokens_that_reach_top_p() -> None:
+    logits = torch.tensor([[0.15, 0.05, 0.5, 0.3]]).log()
+    kept = [torch.isfinite(nucleus(logits, p))[0].tolist() for p in (0.45, 0.75, 0.9, 1.0)]
+    assert kept == [[False, False, True, False], [False, False, True, True], [True, False, True, True],
+                    [True, True, True, True]]
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.5, 1.0), (1.0, 0.65)])
+def test_drawn_tokens_follow_the_tempered_nucleus(temperature: float, top_p: float) -> None:
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    draws = 40_000
+    torch.manual_seed(0)
+    tokens = next_tokens(probs.log().expand(draws, 4), Sampling(temperature, top_p))
+    freq = torch.bincount(tokens, minlength=4).double() / draws
+    want = probs.double() ** (1 / temperature)
+    if top_p < 1.0:
+        want[2:] = 0.0  # 0.4 + 0.3 reach 0.65
+    want /= want.sum()
+    assert torch.allclose(freq, want, atol=4 * (0.25 / draws) ** 0.5)
+
+
+def test_greedy_is_the_argmax() -> None:
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    assert next_tokens(logits, Sampling(0.0)).tolist() == [1, 0]
