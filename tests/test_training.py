@@ -73,10 +73,12 @@ def test_grpo_improves_without_a_critic(example_doc, tmp_path) -> None:
 
 
 # The tiny GRPO job with only the algorithm changed, 96 steps for GSPO, 48 for the others. Measured on 2 cores,
-# mean reward of the last 5 steps at 48 / 80 steps (from 0.06 at step 1):
+# mean reward of the last 5 steps at 48 / 80 steps (from 0.06 at step 1), before the torch engine had its own
+# sampling loop (which draws another random stream):
 #   grpo 0.76 / 0.99 (>= 0.9 from step 51); grpo + policyLoss gspo 0.62 / 0.99 (>= 0.9 from step 59);
 #   rloo 0.55 / 0.69; reinforce_plus_plus 0.60 / 0.69; reinforce_plus_plus_baseline 0.37 / 0.69.
-# GSPO over trainer.seed 0-3 first reaches a 5-step mean of 0.9 at step 53 to 84 (seed 0, this job's: 84).
+# With that loop, GSPO over trainer.seed 0-3 first reaches a 5-step mean of 0.9 at step 53 to 84 (seed 0, this
+# job's: 84).
 # rloo and both REINFORCE++ learn but do not reach 0.9 within the job's 80 steps at its actorLr (best step
 # 0.84-0.86): unlike GRPO their advantages are not divided by each group's std, which on this binary reward
 # makes GRPO's steps on nearly solved prompts several times larger.

@@ -40,14 +40,14 @@ class Sampling:
 
 
 def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """`logits` with -inf outside each row's nucleus: the most probable tokens, fewest first, whose probabilities
-    reach `top_p` together (the most probable token always stays)."""
+    """`logits` with -inf outside each row's nucleus: the smallest set of its most probable tokens whose
+    probabilities reach `top_p` together (the most probable token always stays)."""
     if top_p >= 1.0:
         return logits
     ordered, order = logits.sort(dim=-1, descending=True)
     probs = ordered.softmax(-1)
-    before = probs.cumsum(-1) - probs  # the mass of the more probable tokens
-    drop = (before >= top_p).scatter(-1, order, before >= top_p)
+    outside = probs.cumsum(-1) - probs >= top_p  # the more probable tokens reach top_p already
+    drop = torch.zeros_like(outside).scatter(-1, order, outside)
     return logits.masked_fill(drop, float("-inf"))
 
 
