@@ -41,6 +41,22 @@ def make_batch(rows: int, seed: int, ragged: bool = False) -> RolloutBatch:
                         answers=[""] * rows, group_ids=list(range(rows)))
 
 
+def padded_batch(seed: int = 0) -> RolloutBatch:
+    """Eight rows of random tokens: prompts of 1..4 tokens left-padded to 6, responses of 1..5 right-padded to 8
+    (so two columns on each side are padding in every row)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.tensor([1, 4, 2, 3, 4, 1, 2, 3])
+    response_lens = torch.tensor([5, 1, 3, 2, 4, 1, 5, 2])
+    prompt = (torch.arange(6) >= 6 - prompt_lens[:, None]).long()
+    response = (torch.arange(8) < response_lens[:, None]).long()
+    mask = torch.cat([prompt, response], dim=1)
+    ids = torch.randint(3, 14, mask.shape, generator=g) * mask
+    return RolloutBatch(input_ids=ids, attention_mask=mask, response_mask=response, prompt_length=6,
+                        policy_version=0, prompts=[""] * 8, responses=[""] * 8, answers=[""] * 8,
+                        group_ids=list(range(8)), tensors={"scores": torch.arange(8.0), "advantages":
+                                                           torch.randn(8, 8, generator=g)})
+
+
 def new_training(dtype: str = "float32", lr: float = LR, **options: Any) -> RoleTraining:
     quiet_transformers()
     model = load_causal_lm(str(ensure_tiny_model()), dtype, CPU)
@@ -48,7 +64,7 @@ def new_training(dtype: str = "float32", lr: float = LR, **options: Any) -> Role
 
 
 def train(training: RoleTraining, batch: RolloutBatch, steps: int, micro: int | None = None,
-          agg: str = "token-mean") -> dict[str, float]:
+          agg: str = "token-mean", tokens: int | None = None) -> dict[str, float]:
     """`steps` optimiser steps, each on the whole batch (no clipping: max norm 1e9), as train_epochs runs them
     (the inference copy synced at the end); `copy_bytes` is what the copy held in the passes, their mean."""
 
@@ -59,7 +75,7 @@ def train(training: RoleTraining, batch: RolloutBatch, steps: int, micro: int | 
 
     return train_epochs(training, batch, loss_fn, epochs=steps, steps_per_epoch=1,
                         shuffle=torch.Generator().manual_seed(0), max_grad_norm=1e9, device=CPU,
-                        micro_batch_size=micro, agg=agg)
+                        limits=Training(micro_batch_size=micro, micro_batch_tokens=tokens), agg=agg)
 
 
 def weights(training: RoleTraining) -> dict[str, torch.Tensor]:

@@ -199,16 +199,21 @@ def test_examples_mount_every_path_they_read_and_write(name: str) -> None:
 
 def test_the_training_options_name_the_field_and_what_it_takes(example_doc) -> None:
     doc = example_doc("tiny-ppo.yaml")
-    doc["spec"]["trainer"]["training"] = {"microBatchSize": 0, "shard": "sometimes", "gradientCheckpoint": True}
+    doc["spec"]["trainer"]["training"] = {"microBatchSize": 0, "shard": "sometimes", "gradientCheckpoint": True,
+                                          "microBatchTokens": 0}
     with pytest.raises(SpecError) as info:
         parse_job(doc)
     problems = info.value.problems
-    assert len(problems) == 3, problems
+    assert len(problems) == 4, problems
+    assert any(p.startswith("spec.trainer.training.microBatchTokens:") and "greater than or equal to 1" in p
+               for p in problems)
     assert any(p.startswith("spec.trainer.training.microBatchSize:") and "greater than or equal to 1" in p
                for p in problems)
     assert any(p.startswith("spec.trainer.training.shard:") and "boolean" in p for p in problems)
     assert any(p.startswith("spec.trainer.training.gradientCheckpoint: unknown field") for p in problems)
-    doc["spec"]["trainer"]["training"] = {"microBatchSize": 4, "gradientCheckpointing": True, "shard": False}
+    doc["spec"]["trainer"]["training"] = {"microBatchSize": 4, "gradientCheckpointing": True, "shard": False,
+                                          "microBatchTokens": 4096}
     training = parse_job(doc).spec.trainer.training
-    assert (training.micro_batch_size, training.gradient_checkpointing, training.shard) == (4, True, False)
+    assert (training.micro_batch_size, training.micro_batch_tokens, training.gradient_checkpointing,
+            training.shard) == (4, 4096, True, False)
     assert parse_job(example_doc("tiny-ppo.yaml")).spec.trainer.training.shard

@@ -22,7 +22,7 @@ from hybridflow.workers.modeling import response_log_probs
 from hybridflow.workers.training import checkpoints_activations, layout_kind
 from tests.graph_rules import ppo_graph, set_parallelism
 from tests.helpers import train_in_fresh_ray
-from tests.sharded_ranks import CPU, make_batch, new_training, spawn_ranks, train, weights
+from tests.sharded_ranks import CPU, make_batch, new_training, padded_batch, spawn_ranks, train, weights
 
 TOL = 1e-6
 """Largest difference of a float32 weight between layouts after a few AdamW steps at lr 1e-4."""
@@ -81,6 +81,32 @@ def test_micro_batches_give_the_gradients_of_one_batch(agg: str) -> None:
     assert scale > 0
     worst = max(float((a - b).abs().max()) for a, b in zip(*grads, strict=True))
     assert worst < 1e-4 * scale, f"{agg}: {worst} vs gradients up to {scale}"
+
+
+@pytest.mark.parametrize(("micro", "tokens", "passes"), [
+    (3, None, [(3, 6), (3, 8), (2, 7)]),  # 56 tokens where the padded rows hold 8 x 14
+    (None, 16, [(2, 5), (2, 5), (2, 8), (2, 7)]),
+])
+def test_trimmed_length_ordered_micro_batches_give_the_gradients_of_the_padded_batch(
+        micro: int | None, tokens: int | None, passes: list[tuple[int, int]]) -> None:
+    """The update's passes run on rows cut in length order and trimmed of their shared padding; the gradient is
+    the one a single pass over the padded rows gives."""
+    batch = padded_batch()
+    t = new_training()
+    shapes: list[tuple[int, int]] = []
+    t.module.register_forward_pre_hook(lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)),
+                                       with_kwargs=True)
+    train(t, batch, 1, micro=micro, tokens=tokens)
+    assert shapes == passes
+    trained = [p.grad.clone() for p in t.layout.params]
+    plain = new_training()
+    plain.module.train()
+    logp, _ = response_log_probs(plain.module, batch, CPU)
+    algos.agg_loss(-logp, batch.response_mask.float(), "token-mean").backward()
+    expected = [p.grad for p in plain.layout.params]
+    scale = max(float(g.abs().max()) for g in expected)
+    worst = max(float((a - b).abs().max()) for a, b in zip(trained, expected, strict=True))
+    assert scale > 0 and worst < 1e-4 * scale, f"{worst} vs gradients up to {scale}"
 
 
 def test_gradient_checkpointing_gives_the_same_update(runs: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
 from hybridflow.workers.host import WorkerHost
 from hybridflow.workers.modeling import response_log_probs
 from hybridflow.workers.reward import RewardFunctionError, RewardWorker, gsm8k_reward, resolve_reward_function
+from tests.sharded_ranks import padded_batch
 
 ROLES = {"actor_rollout": "actor_rollout", "reward_score": "reward", "reference": "reference"}
 
@@ -178,6 +179,61 @@ def test_scoring_passes_run_in_micro_batches_and_score_as_one_pass(ppo_spec) -> 
         assert scored[True][key].shape == (16, batch.responses_ids.shape[1])
         torch.testing.assert_close(scored[True][key], scored[False][key], rtol=1e-5, atol=1e-6)
     assert scored[True]["values"].abs().sum() > 0
+
+
+def test_trimming_drops_the_padding_every_row_shares_and_orders_rows_by_length() -> None:
+    batch = padded_batch()
+    cut = batch.trimmed()
+    assert (cut.prompt_length, cut.response_mask.shape[1], cut.input_ids.shape) == (4, 5, (8, 9))
+    torch.testing.assert_close(cut.input_ids, batch.input_ids[:, 2:11])
+    torch.testing.assert_close(cut.tensors["advantages"], batch.tensors["advantages"][:, :5])
+    torch.testing.assert_close(cut.tensors["scores"], batch.tensors["scores"])  # one per row: as it was
+    assert cut.trimmed() is cut
+    order = batch.by_length()
+    assert order.tolist() == [5, 1, 3, 7, 2, 4, 0, 6]  # responses 1, 1, 2, 2, 3, 4, 5, 5; ties by prompt
+    assert batch.by_length(torch.tensor([0, 1, 2])).tolist() == [1, 2, 0]
+    short = batch.slice_index(order[:4]).trimmed()
+    assert (short.prompt_length, short.response_mask.shape[1]) == (4, 2)
+
+
+def test_passes_fill_with_rows_of_like_length_up_to_the_token_limit() -> None:
+    batch = padded_batch()
+
+    def split(**limits) -> list[list[int]]:
+        return [p.tolist() for p in batch.passes(**limits)]
+
+    assert split() == [[5, 1, 3, 7, 2, 4, 0, 6]]
+    assert split(size=3) == [[5, 1, 3], [7, 2, 4], [0, 6]]
+    assert split(tokens=12) == [[5, 1], [3, 7], [2], [4], [0], [6]]  # 2 x (4 + 1), 2 x (3 + 2), then one row each
+    assert split(tokens=16) == [[5, 1], [3, 7], [2, 4], [0, 6]]  # ... 2 x (4 + 4), 2 x (2 + 5)
+    assert split(tokens=16, size=1) == [[5], [1], [3], [7], [2], [4], [0], [6]]
+    assert split(tokens=1) == [[5], [1], [3], [7], [2], [4], [0], [6]]  # each over the limit: alone
+    assert split(rows=torch.tensor([4, 6, 0])) == [[4, 0, 6]]
+    assert split(rows=torch.tensor([], dtype=torch.long)) == []
+
+
+@pytest.mark.parametrize("limit", [{"micro_batch_size": 2}, {"micro_batch_tokens": 16}])
+def test_scoring_passes_take_rows_in_length_order_trimmed_and_give_the_padded_batchs_scores(
+        ppo_spec, limit: dict[str, int]) -> None:
+    """Passes of 2 rows, or of at most 16 tokens, cut in length order and trimmed put 50 tokens through the model
+    instead of the padded batch's 112, and score what one pass over the padded batch scores at every response
+    token (0 at padding)."""
+    spec = ppo_spec.model_copy(deep=True)
+    spec.trainer.training = spec.trainer.training.model_copy(update=limit)
+    host = WorkerHost(spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
+    actor = host.workers["actor_rollout"]
+    batch = padded_batch()
+    with torch.no_grad():
+        expected = response_log_probs(actor.model.eval(), batch, torch.device("cpu"))[0] * batch.response_mask
+    shapes: list[tuple[int, int]] = []
+    hook = actor.behaviour.register_forward_pre_hook(
+        lambda _m, _args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    actor.old_log_probs(batch)
+    hook.remove()
+    assert shapes == [(2, 5), (2, 5), (2, 8), (2, 7)]  # (prompt 4 + response 1), (3 + 2), (4 + 4), (2 + 5)
+    assert sum(r * w for r, w in shapes) == 50 < 8 * 14
+    torch.testing.assert_close(batch.tensors["old_log_probs"], expected, rtol=1e-5, atol=1e-6)
+    assert (batch.tensors["old_log_probs"][batch.response_mask == 0] == 0).all()
 
 
 def test_training_on_another_policy_version_is_an_error(ppo_spec) -> None:

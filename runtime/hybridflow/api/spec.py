@@ -424,7 +424,12 @@ class Training(ApiModel):
     """Sequences per pass of the actor and critic. An update's forward/backward passes: a minibatch accumulates
     the gradients of its micro-batches before one optimiser step (same update, less activation memory). The
     scoring passes (old and reference log-probs, values, a reward model's scores): forward only, joined. null:
-    the whole minibatch, or a rank's whole share of the batch when scoring, at once."""
+    the whole minibatch, or a rank's whole share of the batch when scoring, at once. Either way a pass takes
+    rows of like length and drops the padding they all share."""
+    micro_batch_tokens: int | None = Field(None, ge=1, le=1_000_000_000)
+    """Tokens per pass of the actor and critic, padding included: rows in order of length fill a pass while its
+    rows x (longest prompt + longest response) stays within this (a longer row runs alone), so a pass of short
+    responses takes more rows than one of long responses. With microBatchSize both hold. null: no limit."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block's activations in the backward pass instead of keeping them."""
     shard: bool = True

@@ -77,6 +77,55 @@ class RolloutBatch:
             group_ids=[self.group_ids[i] for i in rows], tensors={k: v[idx] for k, v in self.tensors.items()},
         )
 
+    def trimmed(self) -> RolloutBatch:
+        """The rows without the columns that are padding in all of them: left of the longest prompt and right of
+        the longest response (one column of each stays). Positions come from the attention mask, so a forward
+        pass over the trimmed rows gives their tokens what it gives them padded, on fewer tokens."""
+        p, width = self.prompt_length, self.response_mask.shape[1]
+        prompt_real = self.attention_mask[:, :p].any(0).nonzero()
+        left = max(min(int(prompt_real[0]) if len(prompt_real) else p, p - 1), 0)
+        response_real = self.response_mask.any(0).nonzero()
+        keep = int(response_real[-1]) + 1 if len(response_real) else 1
+        if left == 0 and keep >= width:
+            return self
+        cols = slice(left, p + keep)
+        return RolloutBatch(
+            input_ids=self.input_ids[:, cols], attention_mask=self.attention_mask[:, cols],
+            response_mask=self.response_mask[:, :keep], prompt_length=p - left,
+            policy_version=self.policy_version, prompts=self.prompts, responses=self.responses,
+            answers=self.answers, group_ids=self.group_ids,
+            tensors={k: v[:, :keep] if v.dim() == 2 else v for k, v in self.tensors.items()},
+            timings=dict(self.timings),
+        )
+
+    def by_length(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`rows` (default: all) ordered by response length, then prompt length: cut into passes in this order,
+        rows of like length share a pass and `trimmed` leaves each pass little padding."""
+        rows = torch.arange(len(self)) if rows is None else rows
+        prompt, response = self._lengths(rows)
+        return rows[torch.sort(response * (self.prompt_length + 1) + prompt, stable=True).indices]
+
+    def passes(self, rows: torch.Tensor | None = None, size: int | None = None,
+               tokens: int | None = None) -> list[torch.Tensor]:
+        """`rows` (default: all) cut into forward passes in length order (`by_length`), each of at most `size`
+        rows and at most `tokens` tokens once `trimmed` (its rows x (longest prompt + longest response)); a row
+        over `tokens` by itself runs alone. No limit: one pass; no rows: none."""
+        order = self.by_length(rows)
+        prompt, response = (t.tolist() for t in self._lengths(order))
+        cuts: list[int] = []
+        start, longest_p, longest_r = 0, 1, 1
+        for i, (p, r) in enumerate(zip(prompt, response, strict=True)):
+            longest_p, longest_r = max(longest_p, p), max(longest_r, r)
+            n = i - start + 1
+            if n > 1 and ((size and n > size) or (tokens and n * (longest_p + longest_r) > tokens)):
+                cuts.append(i)
+                start, longest_p, longest_r = i, max(p, 1), max(r, 1)
+        return [part for part in order.tensor_split(cuts) if len(part)]
+
+    def _lengths(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt and response tokens of `rows`."""
+        return self.attention_mask[rows, :self.prompt_length].sum(-1), self.response_mask[rows].sum(-1)
+
     @staticmethod
     def concat(parts: list[RolloutBatch]) -> RolloutBatch:
         """Join shards: prompts left-padded to the longest prompt, responses right-padded to the longest."""

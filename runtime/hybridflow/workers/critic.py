@@ -65,8 +65,8 @@ class CriticWorker:
     def values(self, batch: RolloutBatch) -> RolloutBatch:
         t0 = time.perf_counter()
         self.model.eval()
-        values = in_micro_batches(batch, self.spec.trainer.training.micro_batch_size, self._values)
-        batch.tensors["values"] = (values * batch.response_mask.to(self.device)).cpu()
+        values = in_micro_batches(batch, self.spec.trainer.training, self._values)
+        batch.tensors["values"] = values.cpu()
         batch.add_timing("values", time.perf_counter() - t0)
         return batch
 
@@ -86,7 +86,7 @@ class CriticWorker:
         out = train_epochs(self.training, batch, loss_fn, epochs=algo.ppo_epochs,
                            steps_per_epoch=optimizer_steps(self.spec), shuffle=self.shuffle,
                            max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device,
-                           micro_batch_size=self.spec.trainer.training.micro_batch_size, agg=algo.loss_agg)
+                           limits=self.spec.trainer.training, agg=algo.loss_agg)
         out["critic_grad_norm"] = out.pop("grad_norm")
         return out
 

@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 
 from hybridflow.algos import entropy_from_logits, logprobs_from_logits
-from hybridflow.api.spec import ModelRef
+from hybridflow.api.spec import ModelRef, Training
 from hybridflow.hub import HubError, resolve_model_path
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.lora import adapter_weights, apply_lora, is_lora, load_adapter_weights
@@ -137,13 +137,27 @@ def response_log_probs(model: torch.nn.Module, batch: RolloutBatch, device: torc
     return logp, (token_entropy(logits, entropy) if entropy else None)
 
 
-def in_micro_batches(batch: RolloutBatch, size: int | None,
+def in_micro_batches(batch: RolloutBatch, limits: Training,
                      score: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
-    """`score` of the batch's rows, `size` sequences at a time, joined along the batch: a forward-only pass
-    holds one micro-batch's activations and logits at once (None: every row in one pass)."""
-    if not size or len(batch) <= size:
-        return score(batch)
-    return torch.cat([score(batch.slice_index(idx)) for idx in torch.arange(len(batch)).split(size)])
+    """`score` of the batch's rows, in the batch's row order, by passes of at most `limits.micro_batch_size` rows
+    and `limits.micro_batch_tokens` tokens (`RolloutBatch.passes`; no limit: one pass). A forward-only pass holds
+    one pass's activations and logits at once, and runs on its rows `trimmed`. Per-token results ([B, R]) are 0
+    outside the response tokens, however the rows were padded."""
+    parts = batch.passes(None, limits.micro_batch_size, limits.micro_batch_tokens)
+    if len(parts) <= 1:
+        return _per_row(score(batch.trimmed()), batch)
+    scores = [_per_row(score(batch.slice_index(idx).trimmed()), batch.slice_index(idx)) for idx in parts]
+    return torch.cat(scores)[torch.cat(parts).argsort()]
+
+
+def _per_row(scores: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
+    """A trimmed pass's scores for `batch`'s rows: per-token ones widened to its responses (0 past the pass's
+    longest) and masked to them."""
+    if scores.dim() != 2:
+        return scores
+    mask = batch.response_mask.to(scores.device)
+    wide = torch.nn.functional.pad(scores, (0, mask.shape[1] - scores.shape[1]))
+    return wide * mask
 
 
 def minibatch_chunks(n: int, chunks: int, generator: torch.Generator) -> list[torch.Tensor]:

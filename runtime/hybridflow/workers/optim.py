@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from hybridflow.api.spec import Training
 from hybridflow.workers import distributed
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.modeling import minibatch_chunks
@@ -26,12 +27,10 @@ def micro_weight(mask: torch.Tensor, whole: torch.Tensor, agg: str) -> float:
     return num / den if den > 0 else 0.0
 
 
-def micro_batches(n: int, size: int | None, device: torch.device, everywhere: bool) -> int:
-    """How many forward/backward passes a minibatch of `n` sequences takes: ceil(n / size) (1 without a size).
-
-    `everywhere` (sharded ranks, whose passes are collectives): the most any rank needs, and at least one, so
+def pass_count(count: int, device: torch.device, everywhere: bool) -> int:
+    """How many forward/backward passes this rank runs for a minibatch that needs `count`: `count`, or with
+    `everywhere` (sharded ranks, whose passes are collectives) the most any rank needs, and at least one, so
     every rank runs the same passes (a rank short of data runs a pass that counts for nothing)."""
-    count = (-(-n // size) if size else 1) if n else 0
     if not everywhere or distributed.world_size() == 1:
         return count
     t = torch.tensor([max(count, 1)], device=device)
@@ -41,15 +40,18 @@ def micro_batches(n: int, size: int | None, device: torch.device, everywhere: bo
 
 def train_epochs(training: RoleTraining, batch: RolloutBatch, loss_fn: MinibatchLoss, *, epochs: int,
                  steps_per_epoch: int, shuffle: torch.Generator, max_grad_norm: float, device: torch.device,
-                 micro_batch_size: int | None = None, agg: str = "token-mean") -> dict[str, float]:
+                 limits: Training | None = None, agg: str = "token-mean") -> dict[str, float]:
     """`epochs` passes of `steps_per_epoch` optimiser steps over shuffled minibatches of this rank's shard.
 
-    A minibatch runs in micro-batches of `micro_batch_size` sequences whose gradients add up, each loss
-    weighted by its share (`micro_weight`), to the minibatch's gradient. Every rank takes the same number
-    of steps, so collectives always match. Returns each metric's mean over the non-empty minibatches plus
-    `grad_norm`, the mean pre-clip gradient norm over all steps, averaged over ranks. The inference copy is
-    released for the steps (RoleTraining.release) and holds the trained weights again when this returns.
+    A minibatch runs in micro-batches whose gradients add up, each loss weighted by its share (`micro_weight`),
+    to the minibatch's gradient: passes of at most `limits.micro_batch_size` rows and `limits.micro_batch_tokens`
+    tokens, taken in length order (RolloutBatch.passes), each on its rows `trimmed` of their shared padding.
+    Every rank takes the same number of steps, so collectives always match. Returns each metric's mean over the
+    non-empty minibatches plus `grad_norm`, the mean pre-clip gradient norm over all steps, averaged over ranks.
+    The inference copy is released for the steps (RoleTraining.release) and holds the trained weights again
+    when this returns.
     """
+    limits = limits or Training()
     training.release()
     training.module.train()
     sums: dict[str, float] = {}
@@ -59,13 +61,15 @@ def train_epochs(training: RoleTraining, batch: RolloutBatch, loss_fn: Minibatch
         for idx in minibatch_chunks(len(batch), steps_per_epoch, shuffle):
             training.zero_grad()
             whole = batch.slice_index(idx).response_mask if len(idx) else None
-            passes = micro_batches(len(idx), micro_batch_size, device, training.sharded)
-            for part in idx.tensor_split(passes) if passes else []:
-                if len(part) == 0 or whole is None:  # a pass for the collectives alone
-                    loss, _ = loss_fn(batch.slice_index(torch.arange(1)))
+            parts: list[torch.Tensor | None] = list(batch.passes(idx, limits.micro_batch_size,
+                                                                 limits.micro_batch_tokens))
+            parts += [None] * (pass_count(len(parts), device, training.sharded) - len(parts))
+            for part in parts:
+                if part is None or whole is None:  # a pass for the collectives alone
+                    loss, _ = loss_fn(batch.slice_index(torch.arange(1)).trimmed())
                     (loss * 0.0).backward()
                     continue
-                mb = batch.slice_index(part)
+                mb = batch.slice_index(part).trimmed()
                 w = micro_weight(mb.response_mask, whole, agg)
                 loss, metrics = loss_fn(mb)
                 (loss * w).backward()

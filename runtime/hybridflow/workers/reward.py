@@ -69,7 +69,7 @@ class RewardWorker:
 
     def __init__(self, spec: RLTrainingJobSpec, device: torch.device) -> None:
         self.device = device
-        self.micro_batch_size = spec.trainer.training.micro_batch_size
+        self.limits = spec.trainer.training
         self.fn: RewardFn | None = None
         self.model: torch.nn.Module | None = None
         if spec.reward.model is not None and spec.reward.type == "model":
@@ -90,7 +90,7 @@ class RewardWorker:
                                                                     strict=True)]
             batch.tensors["scores"] = torch.tensor(scores, dtype=torch.float32)
         elif self.model is not None:
-            batch.tensors["scores"] = in_micro_batches(batch, self.micro_batch_size, self._model_scores)
+            batch.tensors["scores"] = in_micro_batches(batch, self.limits, self._model_scores)
         batch.add_timing("reward", time.perf_counter() - t0)
         return batch
 
