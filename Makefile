@@ -98,4 +98,4 @@ include mk/bench-operator.mk
 include mk/chaos.mk
 
 # Side-by-side benchmarks; results land in benchmarks/results and the tables in benchmarks/README.md.
-bench: bench-runtime bench-operator bench-weight-sync bench-offpolicy bench-dispatch
+bench: bench-runtime bench-operator bench-weight-sync bench-offpolicy bench-dispatch bench-passes

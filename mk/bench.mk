@@ -16,10 +16,13 @@
 #   make bench-dispatch                     a remote step's micro-batches dispatched streamed vs serially across
 #                                           raylets: does the next transfer overlap the current compute (~1
 #                                           minute): results/dispatch.json, dispatch.png
+#   make bench-passes                       reference log-probs and an update over rows in length order and
+#                                           trimmed vs padded rows in batch order, at rollout lengths (~2
+#                                           minutes): results/passes.json, passes.png
 
 BENCH_ARGS ?=
 
-.PHONY: bench-runtime bench-weight-sync bench-offpolicy bench-dispatch
+.PHONY: bench-runtime bench-weight-sync bench-offpolicy bench-dispatch bench-passes
 
 bench-runtime: venv
 	$(PYTHON) -m benchmarks.runtime $(BENCH_ARGS)
@@ -32,3 +35,6 @@ bench-offpolicy: venv
 
 bench-dispatch: venv
 	$(PYTHON) -m benchmarks.dispatch
+
+bench-passes: venv
+	$(PYTHON) -m benchmarks.passes

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import dispatch, offpolicy, runtime, weight_sync
+from benchmarks import dispatch, offpolicy, passes, runtime, weight_sync
 from benchmarks.operator import report
 from benchmarks.operator.summarise import FormatError, check_format, summarise
 
@@ -67,6 +67,18 @@ def test_dispatch_section_is_rendered_from_dispatch_json() -> None:
         assert all(a is not None for a in case["streamed"]["next_arrived_s"])
         assert all(a is None for a in case["serial"]["next_arrived_s"])
     assert (RESULTS / "dispatch.png").is_file()
+
+
+def test_passes_section_is_rendered_from_passes_json() -> None:
+    """Every mode ran the same rows (its log-probs agree), and length order put fewer tokens through the model."""
+    results = json.loads((RESULTS / "passes.json").read_text())
+    assert results["format"] == passes.FORMAT and list(results["modes"]) == list(passes.MODES)
+    assert passes.render(results) == section(passes.BEGIN, passes.END)
+    assert results["max_log_prob_difference"] < 1e-4
+    padded, *ordered = results["modes"].values()
+    assert padded["tokens"] == results["rows"] * (results["prompt"] + results["response"])
+    assert all(results["real_tokens"] <= m["tokens"] < padded["tokens"] for m in ordered)
+    assert (RESULTS / "passes.png").is_file()
 
 
 def test_offpolicy_section_is_rendered_from_offpolicy_json() -> None:

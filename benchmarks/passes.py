@@ -1,0 +1,227 @@
+"""Padding in the training passes: rows in length order and trimmed, against passes over padded rows.
+
+One GRPO-shaped batch whose responses are as long as an RL policy writes them (most far shorter than the cap, a
+tail that reaches it) goes through the two passes every step pays for: the reference log-probs (forward only)
+and the actor's update (forward, backward, one AdamW step). The alternative is what a trainer does that pads
+every row to the batch's longest and cuts micro-batches in batch order (TRL's GRPOTrainer, and hybridflow before
+`RolloutBatch.passes`). Both run the same model, loss and rows on the same cores, one after the other, repeated.
+
+    python -m benchmarks.passes            # ~3 minutes: results/passes.json, passes.png and its README section
+    python -m benchmarks.passes --render   # redraw from the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import write_section
+from hybridflow import algos
+from hybridflow.api.spec import Training
+from hybridflow.metrics import pyplot
+from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.modeling import in_micro_batches, load_causal_lm, prepare_process, response_log_probs
+from hybridflow.workers.optim import micro_weight, train_epochs
+from hybridflow.workers.training import RoleTraining
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "benchmarks" / "README.md"
+BEGIN, END = "<!-- passes-bench:begin -->", "<!-- passes-bench:end -->"
+FORMAT = 1
+MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "max_position_embeddings": 512}
+"""The runtime benchmark's wide model, with room for longer sequences."""
+ROWS, PROMPT, RESPONSE = 128, 64, 256
+"""16 prompts x 8 samples; prompts of 16..64 tokens, responses capped at 256."""
+RESPONSE_MEDIAN, RESPONSE_SIGMA = 80, 0.8
+"""Response lengths ~ lognormal(log median, sigma), capped: about 8% of the rows reach the cap."""
+ROWS_PER_PASS, TOKENS_PER_PASS = 32, 8192
+REPEATS = 3
+CPU = torch.device("cpu")
+
+Score = Callable[[RolloutBatch], torch.Tensor]
+
+
+def rollout_batch(seed: int = 0) -> RolloutBatch:
+    """Random tokens at rollout lengths: a group's 8 samples share their prompt, prompts left-padded to PROMPT,
+    responses right-padded to RESPONSE."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(16, PROMPT + 1, (ROWS // 8,), generator=g).repeat_interleave(8)
+    normal = torch.randn(ROWS, generator=g)
+    response_lens = (RESPONSE_MEDIAN * torch.exp(RESPONSE_SIGMA * normal)).long().clamp(1, RESPONSE)
+    prompt = (torch.arange(PROMPT) >= PROMPT - prompt_lens[:, None]).long()
+    response = (torch.arange(RESPONSE) < response_lens[:, None]).long()
+    mask = torch.cat([prompt, response], dim=1)
+    ids = torch.randint(3, 14, mask.shape, generator=g) * mask
+    return RolloutBatch(ids, mask, response, PROMPT, 0, [""] * ROWS, [""] * ROWS, [""] * ROWS,
+                        [i // 8 for i in range(ROWS)], tensors={"advantages": torch.randn(ROWS, generator=g)})
+
+
+def grpo_loss(module: torch.nn.Module) -> Callable[[RolloutBatch], tuple[torch.Tensor, dict[str, float]]]:
+    def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        logp, _ = response_log_probs(module, mb, CPU)
+        surrogate = -mb.tensors["advantages"][:, None] * torch.exp(logp - logp.detach())
+        return algos.agg_loss(surrogate, mb.response_mask.float(), "token-mean"), {}
+    return loss_fn
+
+
+def padded_scores(batch: RolloutBatch, score: Score) -> torch.Tensor:
+    """The alternative's scoring: ROWS_PER_PASS rows at a time in batch order, each pass as wide as the batch."""
+    return torch.cat([score(batch.slice_index(idx)) for idx in torch.arange(len(batch)).split(ROWS_PER_PASS)])
+
+
+def padded_update(training: RoleTraining, batch: RolloutBatch) -> None:
+    """The alternative's update: the same micro-batches, padded, gradients added up, one AdamW step."""
+    loss_fn = grpo_loss(training.module)
+    training.zero_grad()
+    training.module.train()
+    for idx in torch.arange(len(batch)).split(ROWS_PER_PASS):
+        mb = batch.slice_index(idx)
+        loss, _ = loss_fn(mb)
+        (loss * micro_weight(mb.response_mask, batch.response_mask, "token-mean")).backward()
+    training.step(1e9)
+
+
+def ordered_update(training: RoleTraining, batch: RolloutBatch, limits: Training) -> None:
+    train_epochs(training, batch, grpo_loss(training.module), epochs=1, steps_per_epoch=1,
+                 shuffle=torch.Generator().manual_seed(0), max_grad_norm=1e9, device=CPU, limits=limits)
+
+
+MODES: dict[str, Training | None] = {
+    f"padded, {ROWS_PER_PASS} rows a pass (batch order)": None,
+    f"length order, {ROWS_PER_PASS} rows a pass": Training(micro_batch_size=ROWS_PER_PASS),
+    f"length order, {TOKENS_PER_PASS} tokens a pass": Training(micro_batch_tokens=TOKENS_PER_PASS),
+}
+
+
+def tokens_through(batch: RolloutBatch, limits: Training | None) -> int:
+    if limits is None:
+        return batch.input_ids.numel()
+    parts = batch.passes(None, limits.micro_batch_size, limits.micro_batch_tokens)
+    return sum(len(p) * batch.slice_index(p).trimmed().input_ids.shape[1] for p in parts)
+
+
+def pass_count(batch: RolloutBatch, limits: Training | None) -> int:
+    if limits is None:
+        return -(-len(batch) // ROWS_PER_PASS)
+    return len(batch.passes(None, limits.micro_batch_size, limits.micro_batch_tokens))
+
+
+def bench() -> dict[str, Any]:
+    from hybridflow.data.tiny import ensure_tiny_model
+
+    threads = prepare_process(os.cpu_count() or 1)
+    model = load_causal_lm(str(ensure_tiny_model(**MODEL)), "float32", CPU)
+    reference = load_causal_lm(str(ensure_tiny_model(**MODEL)), "float32", CPU).eval()
+    training = RoleTraining(model, lr=1e-6, options=Training(), device=CPU)
+    batch = rollout_batch()
+
+    def score(mb: RolloutBatch) -> torch.Tensor:
+        return response_log_probs(reference, mb, CPU)[0]
+
+    times: dict[str, dict[str, list[float]]] = {m: {"score_s": [], "update_s": []} for m in MODES}
+    results: dict[str, torch.Tensor] = {}
+    for r in range(REPEATS + 1):  # the first round warms up
+        for mode, limits in MODES.items():
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = padded_scores(batch, score) if limits is None else in_micro_batches(batch, limits, score)
+            t1 = time.perf_counter()
+            if limits is None:
+                padded_update(training, batch)
+            else:
+                ordered_update(training, batch, limits)
+            t2 = time.perf_counter()
+            results[mode] = out * batch.response_mask
+            if r:
+                times[mode]["score_s"].append(t1 - t0)
+                times[mode]["update_s"].append(t2 - t1)
+        print(f"[bench] round {r}/{REPEATS}", flush=True)
+    base = next(iter(MODES))
+    agree = max(float((results[m] - results[base]).abs().max()) for m in MODES)
+    modes = {m: {"tokens": tokens_through(batch, limits), "passes": pass_count(batch, limits),
+                 "score_s": statistics.median(times[m]["score_s"]),
+                 "update_s": statistics.median(times[m]["update_s"]),
+                 "score_runs_s": times[m]["score_s"], "update_runs_s": times[m]["update_s"]}
+             for m, limits in MODES.items()}
+    lengths = batch.response_mask.sum(-1).float()
+    return {"format": FORMAT, "machine": {"cores": os.cpu_count(), "torch_threads": threads},
+            "model": MODEL, "rows": ROWS, "prompt": PROMPT, "response": RESPONSE, "repeats": REPEATS,
+            "response_tokens": {"mean": float(lengths.mean()), "median": float(lengths.median()),
+                                "at_cap": int((lengths == RESPONSE).sum())},
+            "real_tokens": int(batch.attention_mask.sum()), "max_log_prob_difference": agree, "modes": modes}
+
+
+def render(report: dict[str, Any]) -> str:
+    modes = report["modes"]
+    base = modes[next(iter(MODES))]
+    rt = report["response_tokens"]
+    lines = [BEGIN, "## Padding in the training passes (`make bench-passes`)", "",
+             f"Generated by `python -m benchmarks.passes` on {report['machine']['cores']} cores "
+             f"({report['machine']['torch_threads']} torch threads): the runtime benchmark's wide model "
+             f"(hidden 256, 4 layers), one batch of {report['rows']} rows (16 prompts x 8 samples) with prompts of "
+             f"16 to {report['prompt']} tokens and responses as long as a policy writes them: lognormal, median "
+             f"{rt['median']:.0f} and mean {rt['mean']:.0f} tokens, {rt['at_cap']} rows at the cap of "
+             f"{report['response']}. Of the padded batch's {report['rows'] * (report['prompt'] + report['response'])} "
+             f"tokens, {report['real_tokens']} are real. Each pass's time is the median of {report['repeats']} runs "
+             "(after one to warm up); a scoring pass is the reference log-probs (forward only), an update is the "
+             "actor's forward, backward and one AdamW step over the whole batch.", "",
+             "| how rows are cut into passes | tokens through the model | passes | scoring | update | "
+             "scoring, update vs padded |",
+             "|---|---:|---:|---:|---:|---|"]
+    for name, m in modes.items():
+        lines.append(f"| {name} | {m['tokens']} | {m['passes']} | {m['score_s'] * 1000:.0f} ms | "
+                     f"{m['update_s'] * 1000:.0f} ms | **{base['score_s'] / m['score_s']:.2f}x**, "
+                     f"**{base['update_s'] / m['update_s']:.2f}x** |")
+    lines += ["", "Where the time goes: a pass costs about its tokens, padding included, so the gain follows the "
+              "tokens column. Padded, every row is as wide as the longest prompt plus the longest response; in "
+              "length order each pass is as wide as its own rows' longest, and a token limit lets passes of short "
+              "rows take more of them. The log-probs of every mode agree to "
+              f"{report['max_log_prob_difference']:.1e} at every response token.", "",
+              "![passes](results/passes.png)", END]
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], out: Path) -> Path:
+    plt = pyplot()
+    names = list(report["modes"])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [report["modes"][n]["score_s"] * 1000 for n in names], width=0.4, label="scoring")
+    ax.bar([i + 0.2 for i in x], [report["modes"][n]["update_s"] * 1000 for n in names], width=0.4, label="update")
+    ax.set_xticks(list(x), [n.replace(", ", "\n", 1) for n in names], fontsize=8)
+    ax.set_ylabel("ms per batch")
+    ax.set_title(f"{report['rows']} rows, responses up to {report['response']} tokens")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--render", action="store_true", help="redraw the plot and README section from the JSON")
+    args = parser.parse_args()
+    path = RESULTS / "passes.json"
+    if args.render:
+        report = json.loads(path.read_text())
+    else:
+        report = bench()
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, RESULTS / "passes.png")
+    write_section(README, BEGIN, END, render(report))
+    print(render(report))
+
+
+if __name__ == "__main__":
+    main()
