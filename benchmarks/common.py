@@ -1,5 +1,5 @@
-"""What the runtime and operator benchmarks share: a process-tree memory sampler, their README sections
-between markers, and prose templates."""
+"""What the benchmarks share: a process-tree memory sampler, their README sections between markers, the command
+line of those that render from their JSON, and prose templates."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from typing import Any
 import psutil
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
+RESULTS = Path(__file__).resolve().parent / "results"
+README = Path(__file__).resolve().parent / "README.md"
 
 
 class RssSampler:
@@ -87,6 +89,29 @@ def write_section(path: Path, begin: str, end: str, block: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def measure_or_render(description: str, name: str, bench: Callable[[], dict[str, Any]],
+                      render: Callable[[dict[str, Any]], str], plot: Callable[[dict[str, Any], Path], Path],
+                      begin: str, end: str) -> None:
+    """A benchmark's command line: run `bench` and keep its report as results/NAME.json, or (--render) read it
+    back; then draw results/NAME.png and write its README section between `begin` and `end`."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--render", action="store_true", help="redraw the plot and README section from the JSON")
+    args = parser.parse_args()
+    path = RESULTS / f"{name}.json"
+    if args.render:
+        report = json.loads(path.read_text())
+    else:
+        report = bench()
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, RESULTS / f"{name}.png")
+    write_section(README, begin, end, render(report))
+    print(render(report))
 
 
 class Text:

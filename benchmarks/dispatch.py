@@ -15,9 +15,7 @@ The compute is a sleep of fixed length: it stands for a GPU kernel, which leaves
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -27,14 +25,12 @@ from typing import Any
 import ray
 import torch
 
-from benchmarks.common import write_section
+from benchmarks.common import measure_or_render
 from hybridflow.metrics import pyplot
 from hybridflow.scheduler.group import HostGroup
 from hybridflow.workers.batch import RolloutBatch
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-README = ROOT / "benchmarks" / "README.md"
 BEGIN, END = "<!-- dispatch-bench:begin -->", "<!-- dispatch-bench:end -->"
 FORMAT = 1
 STORE_BYTES = 1 << 30
@@ -255,19 +251,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--render", action="store_true", help="redraw the plot and README section from the JSON")
-    args = parser.parse_args()
-    path = RESULTS / "dispatch.json"
-    if args.render:
-        report = json.loads(path.read_text())
-    else:
-        report = bench()
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, RESULTS / "dispatch.png")
-    write_section(README, BEGIN, END, render(report))
-    print(render(report))
+    measure_or_render(__doc__.splitlines()[0], "dispatch", bench, render, plot, BEGIN, END)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ every row to the batch's longest and cuts micro-batches in batch order (TRL's GR
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
@@ -23,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import write_section
+from benchmarks.common import measure_or_render
 from hybridflow import algos
 from hybridflow.api.spec import Training
 from hybridflow.metrics import pyplot
@@ -32,9 +30,6 @@ from hybridflow.workers.modeling import in_micro_batches, load_causal_lm, prepar
 from hybridflow.workers.optim import micro_weight, train_epochs
 from hybridflow.workers.training import RoleTraining
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-README = ROOT / "benchmarks" / "README.md"
 BEGIN, END = "<!-- passes-bench:begin -->", "<!-- passes-bench:end -->"
 FORMAT = 1
 MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "max_position_embeddings": 512}
@@ -208,19 +203,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--render", action="store_true", help="redraw the plot and README section from the JSON")
-    args = parser.parse_args()
-    path = RESULTS / "passes.json"
-    if args.render:
-        report = json.loads(path.read_text())
-    else:
-        report = bench()
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
-    plot(report, RESULTS / "passes.png")
-    write_section(README, BEGIN, END, render(report))
-    print(render(report))
+    measure_or_render(__doc__.splitlines()[0], "passes", bench, render, plot, BEGIN, END)
 
 
 if __name__ == "__main__":
