@@ -91,6 +91,17 @@ def write_section(path: Path, begin: str, end: str, block: str) -> None:
     path.write_text(text)
 
 
+def save_figure(fig: Any, out: Path, dpi: int) -> Path:
+    """Lay out, write and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
 def measure_or_render(description: str, name: str, bench: Callable[[], dict[str, Any]],
                       render: Callable[[dict[str, Any]], str], plot: Callable[[dict[str, Any], Path], Path],
                       begin: str, end: str) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import ray
 import torch
 
-from benchmarks.common import measure_or_render
+from benchmarks.common import measure_or_render, save_figure
 from hybridflow.metrics import pyplot
 from hybridflow.scheduler.group import HostGroup
 from hybridflow.workers.batch import RolloutBatch
@@ -244,10 +244,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     ax.set_ylabel("consumer idle between computes (ms)")
     ax.set_title("Dispatch against compute")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=120)
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import write_section
+from benchmarks.common import save_figure, write_section
 from benchmarks.runtime import (
     README,
     RESULTS,
@@ -212,10 +212,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     ax.set_ylabel("tokens/s")
     ax.set_title("strong vs eventual consistency (one-step off-policy)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=110)
 
 
 def write_outputs(report: dict[str, Any], out_dir: Path, readme: Path | None) -> None:

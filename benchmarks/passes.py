@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import measure_or_render
+from benchmarks.common import measure_or_render, save_figure
 from hybridflow import algos
 from hybridflow.api.spec import Training
 from hybridflow.metrics import pyplot
@@ -196,10 +196,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     ax.set_ylabel("ms per batch")
     ax.set_title(f"{report['rows']} rows, responses up to {report['response']} tokens")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=120)
 
 
 def main() -> None:

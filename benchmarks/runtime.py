@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks.common import RssSampler, Text, write_section
+from benchmarks.common import RssSampler, Text, save_figure, write_section
 from hybridflow.metrics import pyplot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -523,11 +523,7 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     ax.grid(alpha=0.3, axis="y")
     fig.suptitle(f"{report['config']['workload']} workload: {report['config']['sequences_per_step']} sequences/step, "
                  f"{report['config']['max_response_length']} response tokens max, {report['machine']['cpus']} CPUs")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=90)
 
 
 # -- command line -------------------------------------------------------------------------------------
