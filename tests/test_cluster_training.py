@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -90,6 +91,10 @@ def test_plan_runs_across_raylets_with_backpressure(cluster, example_doc, tmp_pa
     assert any(d.startswith("Backpressure: reward parallelism 1 -> 2") for d in status["decisions"])
     lat = status["edges"]["actor_rollout->reward"]["latency"]
     assert lat["count"] > 0 and lat["p95_s"] >= lat["mean_s"] > 0
+    # the two actor ranks got rows of about the same number of tokens every step (one row holds at most 12)
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    balance = [r["shard_tokens_max_over_mean"] for r in records]
+    assert len(balance) == 3 and all(1.0 <= b <= 1.02 for b in balance), balance
 
 
 def test_eventual_consistency_pipelines_across_raylets(cluster, example_doc, tmp_path) -> None:

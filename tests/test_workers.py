@@ -196,6 +196,24 @@ def test_trimming_drops_the_padding_every_row_shares_and_orders_rows_by_length()
     assert (short.prompt_length, short.response_mask.shape[1]) == (4, 2)
 
 
+def test_balanced_shards_hold_about_the_same_tokens() -> None:
+    """Rows sorted by length shard badly (17 and 26 tokens); balanced, each shard keeps 4 rows and gets 23 and 20,
+    every row moving with its tensors."""
+    by_length = padded_batch()
+    by_length = by_length.slice_index(by_length.by_length())
+    by_length.timings = {"generate": 1.0}
+    assert [int(p.attention_mask.sum()) for p in by_length.shard(2)] == [17, 26]
+    balanced = by_length.balanced(2)
+    assert [len(p) for p in balanced.shard(2)] == [4, 4]
+    assert [int(p.attention_mask.sum()) for p in balanced.shard(2)] == [23, 20]
+    assert sorted(balanced.group_ids) == list(range(8)) and balanced.timings == {"generate": 1.0}
+    rows = {g: i for i, g in enumerate(by_length.group_ids)}
+    for i, g in enumerate(balanced.group_ids):
+        torch.testing.assert_close(balanced.input_ids[i], by_length.input_ids[rows[g]])
+        torch.testing.assert_close(balanced.tensors["advantages"][i], by_length.tensors["advantages"][rows[g]])
+    assert by_length.balanced(1) is by_length and by_length.slice(0, 2).balanced(4).group_ids == [5, 1]
+
+
 def test_passes_fill_with_rows_of_like_length_up_to_the_token_limit() -> None:
     batch = padded_batch()
 

@@ -115,15 +115,20 @@ class PhaseRunner(Protocol):
 
 
 def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, str]], group_ids: list[int],
-             spec: RLTrainingJobSpec, kl_coef: float, ahead: Prompts | None = None) -> StepOutput:
+             spec: RLTrainingJobSpec, kl_coef: float, ahead: Prompts | None = None, shards: int = 1) -> StepOutput:
     """The step loop; `phases` (from the plan) holds "values" when the critic needs a phase of its own.
 
     `ahead` (consistency eventual) are the next step's prompts: their rollout overlaps this step's update,
-    and the next run_step finds their batch ready.
+    and the next run_step finds their batch ready. With `shards` data-parallel ranks training on the batch,
+    its rows are balanced over them (RolloutBatch.balanced) before any of them gets a part.
     """
     out = StepOutput()
     t0 = time.perf_counter()
     batch, compute = runner.rollout_phase(rows, group_ids)
+    if shards > 1:
+        batch = batch.balanced(shards)
+        tokens = [int(part.attention_mask.sum()) for part in batch.shard(shards)]
+        out.stats["shard_tokens_max_over_mean"] = max(tokens) * len(tokens) / max(sum(tokens), 1)
     out.timings = dict(batch.timings)
     out.rollout_bytes = batch.nbytes()
     out.add("rollout", time.perf_counter() - t0, compute)
@@ -133,7 +138,7 @@ def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, 
         out.add("values", time.perf_counter() - t0, compute)
     t0 = time.perf_counter()
     out.advantages = compute_advantages(batch, spec, kl_coef)
-    out.stats = batch_stats(batch)
+    out.stats |= batch_stats(batch)
     seconds = time.perf_counter() - t0
     out.add("advantages", seconds, seconds)
     t0 = time.perf_counter()
@@ -166,6 +171,7 @@ def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> d
         "clip_frac": upd.get("clip_frac"),
         "behaviour_weight_mean": upd.get("behaviour_weight_mean"),
         "response_length": stats["response_length"],
+        "shard_tokens_max_over_mean": stats.get("shard_tokens_max_over_mean"),
         "tokens_per_s": stats["tokens"] / elapsed,
         "policy_version": int(stats["policy_version"]) + lag + 1,
         "policy_lag": lag,

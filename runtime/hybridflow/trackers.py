@@ -51,6 +51,7 @@ NAMES: dict[str, str] = {
     "advantage_abs_mean": "critic/advantage_abs_mean",
     "tokens_per_s": "perf/tokens_per_s",
     "orchestration_overhead_frac": "perf/orchestration_overhead_frac",
+    "shard_tokens_max_over_mean": "perf/shard_tokens_max_over_mean",
     "policy_version": "training/policy_version",
     "policy_lag": "training/policy_lag",
     "weight_sync_bytes": "perf/weight_sync_bytes",

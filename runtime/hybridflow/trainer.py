@@ -416,7 +416,8 @@ class Trainer:
             for channel in self._handed_in_process:
                 channel.record_bytes(out.rollout_bytes)
         else:
-            out = run_step(self, self.plan.phases, rows, gids, self.spec, kl_coef, self._next)
+            out = run_step(self, self.plan.phases, rows, gids, self.spec, kl_coef, self._next,
+                           max(1, len(self.actor) // self._replicas(self.actor)))
         self._result_at = time.perf_counter()
         elapsed = self._result_at - t0
         if self._queued is not None:

@@ -57,6 +57,27 @@ class RolloutBatch:
         bounds = [size * i // n for i in range(n + 1)]
         return [self.slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
+    def balanced(self, n: int) -> RolloutBatch:
+        """The rows reordered so that each of `shard(n)`'s shards, whose sizes stay as they were, holds about the
+        same number of tokens: the longest rows first, each to the shard with the fewest tokens that still has
+        room. Data-parallel ranks, which wait for each other at every gradient reduction, then finish their passes
+        at about the same time. Timings stay; the rows' order within a shard is the batch's."""
+        if n <= 1 or len(self) <= n:
+            return self
+        tokens = self.attention_mask.sum(-1).tolist()
+        bounds = [len(self) * i // n for i in range(n + 1)]
+        room = [b - a for a, b in itertools.pairwise(bounds)]
+        load = [0] * n
+        members: list[list[int]] = [[] for _ in range(n)]
+        for row in sorted(range(len(self)), key=lambda r: -tokens[r]):
+            k = min((k for k in range(n) if room[k]), key=lambda k: load[k])
+            members[k].append(row)
+            load[k] += tokens[row]
+            room[k] -= 1
+        out = self.slice_index(torch.tensor([r for rows in members for r in sorted(rows)]))
+        out.timings = dict(self.timings)
+        return out
+
     def slice(self, a: int, b: int) -> RolloutBatch:
         return RolloutBatch(
             input_ids=self.input_ids[a:b], attention_mask=self.attention_mask[a:b],
