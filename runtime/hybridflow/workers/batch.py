@@ -51,11 +51,13 @@ class RolloutBatch:
         """Seconds of the timed steps other than `timed` (those a pipelined batch ran during an earlier step)."""
         return sum(v for k, v in self.timings.items() if k not in timed)
 
+    def _shard_bounds(self, n: int) -> list[tuple[int, int]]:
+        """[a, b) of each of `shard(n)`'s slices, empty ones included."""
+        return list(itertools.pairwise(len(self) * i // n for i in range(n + 1)))
+
     def shard(self, n: int) -> list[RolloutBatch]:
         """n contiguous slices (the last ones may be one shorter); empty slices are dropped."""
-        size = len(self)
-        bounds = [size * i // n for i in range(n + 1)]
-        return [self.slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+        return [self.slice(a, b) for a, b in self._shard_bounds(n) if b > a]
 
     def balanced(self, n: int) -> RolloutBatch:
         """The rows reordered so that each of `shard(n)`'s shards, whose sizes stay as they were, holds about the
@@ -65,8 +67,7 @@ class RolloutBatch:
         if n <= 1 or len(self) <= n:
             return self
         tokens = self.attention_mask.sum(-1).tolist()
-        bounds = [len(self) * i // n for i in range(n + 1)]
-        room = [b - a for a, b in itertools.pairwise(bounds)]
+        room = [b - a for a, b in self._shard_bounds(n)]
         load = [0] * n
         members: list[list[int]] = [[] for _ in range(n)]
         for row in sorted(range(len(self)), key=lambda r: -tokens[r]):

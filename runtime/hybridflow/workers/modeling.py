@@ -146,7 +146,8 @@ def in_micro_batches(batch: RolloutBatch, limits: Training,
     parts = batch.passes(None, limits.micro_batch_size, limits.micro_batch_tokens)
     if len(parts) <= 1:
         return _per_row(score(batch.trimmed()), batch)
-    scores = [_per_row(score(batch.slice_index(idx).trimmed()), batch.slice_index(idx)) for idx in parts]
+    rows = [batch.slice_index(idx) for idx in parts]
+    scores = [_per_row(score(mb.trimmed()), mb) for mb in rows]
     return torch.cat(scores)[torch.cat(parts).argsort()]
 
 
