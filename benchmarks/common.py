@@ -91,6 +91,18 @@ def write_section(path: Path, begin: str, end: str, block: str) -> None:
     path.write_text(text)
 
 
+def grouped_bars(ax: Any, series: dict[str, list[float]], width: float, **style: Any) -> list[Any]:
+    """One bar per series at each x position 0, 1, ..., the series side by side, `width` each and centred on
+    the position; style keys map a series' label to its bar keyword (`color={"a": "tab:gray"}`). Returns the
+    bar containers, in series order."""
+    bars = []
+    for k, (label, values) in enumerate(series.items()):
+        offset = (k - (len(series) - 1) / 2) * width
+        bars.append(ax.bar([i + offset for i in range(len(values))], values, width=width, label=label,
+                           **{key: by_label[label] for key, by_label in style.items()}))
+    return bars
+
+
 def save_figure(fig: Any, out: Path, dpi: int) -> Path:
     """Lay out, write and close a matplotlib figure."""
     import matplotlib.pyplot as plt

@@ -25,7 +25,7 @@ from typing import Any
 import ray
 import torch
 
-from benchmarks.common import measure_or_render, save_figure
+from benchmarks.common import grouped_bars, measure_or_render, save_figure
 from hybridflow.metrics import pyplot
 from hybridflow.scheduler.group import HostGroup
 from hybridflow.workers.batch import RolloutBatch
@@ -234,10 +234,8 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     labels = [f"{c['chunk_bytes'] / 2**20:.0f} MB" for c in report["cases"]]
     x = range(len(labels))
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    width = 0.8 / len(MODES)
-    for k, (mode, color) in enumerate(zip(MODES, ("tab:gray", "tab:orange", "tab:blue"), strict=True)):
-        ax.bar([i + (k - (len(MODES) - 1) / 2) * width for i in x],
-               [_mean(c[mode]["gaps_s"]) * 1000 for c in report["cases"]], width=width, label=mode, color=color)
+    grouped_bars(ax, {mode: [_mean(c[mode]["gaps_s"]) * 1000 for c in report["cases"]] for mode in MODES},
+                 0.8 / len(MODES), color=dict(zip(MODES, ("tab:gray", "tab:orange", "tab:blue"), strict=True)))
     ax.plot(list(x), [c["transfer_s"] * 1000 for c in report["cases"]], "k_", markersize=30, label="one transfer")
     ax.set_xticks(list(x), labels)
     ax.set_xlabel("micro-batch")

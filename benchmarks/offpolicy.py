@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import save_figure, write_section
+from benchmarks.common import grouped_bars, save_figure, write_section
 from benchmarks.runtime import (
     README,
     RESULTS,
@@ -203,10 +203,8 @@ def plot(report: dict[str, Any], out: Path) -> Path:
 
     names = list(report["workloads"])
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    width = 0.38
-    for i, c in enumerate(CONSISTENCIES):
-        values = [report["workloads"][n][c]["tokens_per_s"] for n in names]
-        bars = ax.bar([x + (i - 0.5) * width for x in range(len(names))], values, width, label=c)
+    series = {c: [report["workloads"][n][c]["tokens_per_s"] for n in names] for c in CONSISTENCIES}
+    for bars in grouped_bars(ax, series, 0.38):
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_xticks(range(len(names)), [f"{n}\n{report['workloads'][n]['gain']:.2f}x" for n in names])
     ax.set_ylabel("tokens/s")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import measure_or_render, save_figure
+from benchmarks.common import grouped_bars, measure_or_render, save_figure
 from hybridflow import algos
 from hybridflow.api.spec import Training
 from hybridflow.metrics import pyplot
@@ -189,10 +189,9 @@ def plot(report: dict[str, Any], out: Path) -> Path:
     plt = pyplot()
     names = list(report["modes"])
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    x = range(len(names))
-    ax.bar([i - 0.2 for i in x], [report["modes"][n]["score_s"] * 1000 for n in names], width=0.4, label="scoring")
-    ax.bar([i + 0.2 for i in x], [report["modes"][n]["update_s"] * 1000 for n in names], width=0.4, label="update")
-    ax.set_xticks(list(x), [n.replace(", ", "\n", 1) for n in names], fontsize=8)
+    grouped_bars(ax, {"scoring": [report["modes"][n]["score_s"] * 1000 for n in names],
+                      "update": [report["modes"][n]["update_s"] * 1000 for n in names]}, 0.4)
+    ax.set_xticks(range(len(names)), [n.replace(", ", "\n", 1) for n in names], fontsize=8)
     ax.set_ylabel("ms per batch")
     ax.set_title(f"{report['rows']} rows, responses up to {report['response']} tokens")
     ax.legend()
