@@ -1,10 +1,15 @@
-"""Padding in the training passes: rows in length order and trimmed, against passes over padded rows.
+"""Padding in the training passes: rows in length order and trimmed, against passes over padded rows; and the LM
+head on the response positions only, against every position.
 
 One GRPO-shaped batch whose responses are as long as an RL policy writes them (most far shorter than the cap, a
 tail that reaches it) goes through the two passes every step pays for: the reference log-probs (forward only)
 and the actor's update (forward, backward, one AdamW step). The alternative is what a trainer does that pads
 every row to the batch's longest and cuts micro-batches in batch order (TRL's GRPOTrainer, and hybridflow before
 `RolloutBatch.passes`). Both run the same model, loss and rows on the same cores, one after the other, repeated.
+
+The second comparison runs the same passes (length order, trimmed) on the same body with a vocabulary of 4,096,
+so that the LM head is about the share of a token's matmul work it is in Qwen2.5-0.5B: logits for every position
+and then the response's, against logits for the response positions only (`modeling.response_logits`).
 
     python -m benchmarks.passes            # ~3 minutes: results/passes.json, passes.png and its README section
     python -m benchmarks.passes --render   # redraw from the JSON
@@ -26,14 +31,23 @@ from hybridflow import algos
 from hybridflow.api.spec import Training
 from hybridflow.metrics import pyplot
 from hybridflow.workers.batch import RolloutBatch
-from hybridflow.workers.modeling import in_micro_batches, load_causal_lm, prepare_process, response_log_probs
+from hybridflow.workers.modeling import (
+    in_micro_batches,
+    load_causal_lm,
+    position_ids,
+    prepare_process,
+    response_log_probs,
+)
 from hybridflow.workers.optim import micro_weight, train_epochs
 from hybridflow.workers.training import RoleTraining
 
 BEGIN, END = "<!-- passes-bench:begin -->", "<!-- passes-bench:end -->"
-FORMAT = 1
+FORMAT = 2
 MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "max_position_embeddings": 512}
 """The runtime benchmark's wide model, with room for longer sequences."""
+HEAD_MODEL = MODEL | {"vocab_size": 4096}
+"""The same body with a vocabulary that gives the LM head 29% of a token's matmul work (256 x 4,096 of 3.67M
+weights), as in Qwen2.5-0.5B (896 x 151,936 of 494M: 28%)."""
 ROWS, PROMPT, RESPONSE = 128, 64, 256
 """16 prompts x 8 samples; prompts of 16..64 tokens, responses capped at 256."""
 RESPONSE_MEDIAN, RESPONSE_SIGMA = 80, 0.8
@@ -43,6 +57,23 @@ REPEATS = 3
 CPU = torch.device("cpu")
 
 Score = Callable[[RolloutBatch], torch.Tensor]
+LogProbs = Callable[[torch.nn.Module, RolloutBatch], torch.Tensor]
+
+
+def response_only(module: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
+    """hybridflow's log-probs: the LM head on the response positions (and one more) only."""
+    return response_log_probs(module, mb, CPU)[0]
+
+
+def every_position(module: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
+    """The alternative: logits for every position of the pass, the prompt's thrown away."""
+    mask = mb.attention_mask
+    logits = module(input_ids=mb.input_ids, attention_mask=mask, position_ids=position_ids(mask),
+                    use_cache=False).logits
+    return algos.logprobs_from_logits(logits[:, mb.prompt_length - 1:-1].float(), mb.responses_ids)
+
+
+HEADS: dict[str, LogProbs] = {"every position": every_position, "response positions only": response_only}
 
 
 def rollout_batch(seed: int = 0) -> RolloutBatch:
@@ -60,9 +91,10 @@ def rollout_batch(seed: int = 0) -> RolloutBatch:
                         [i // 8 for i in range(ROWS)], tensors={"advantages": torch.randn(ROWS, generator=g)})
 
 
-def grpo_loss(module: torch.nn.Module) -> Callable[[RolloutBatch], tuple[torch.Tensor, dict[str, float]]]:
+def grpo_loss(module: torch.nn.Module, log_probs: LogProbs = response_only,
+              ) -> Callable[[RolloutBatch], tuple[torch.Tensor, dict[str, float]]]:
     def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        logp, _ = response_log_probs(module, mb, CPU)
+        logp = log_probs(module, mb)
         surrogate = -mb.tensors["advantages"][:, None] * torch.exp(logp - logp.detach())
         return algos.agg_loss(surrogate, mb.response_mask.float(), "token-mean"), {}
     return loss_fn
@@ -85,8 +117,9 @@ def padded_update(training: RoleTraining, batch: RolloutBatch) -> None:
     training.step(1e9)
 
 
-def ordered_update(training: RoleTraining, batch: RolloutBatch, limits: Training) -> None:
-    train_epochs(training, batch, grpo_loss(training.module), epochs=1, steps_per_epoch=1,
+def ordered_update(training: RoleTraining, batch: RolloutBatch, limits: Training,
+                   log_probs: LogProbs = response_only) -> None:
+    train_epochs(training, batch, grpo_loss(training.module, log_probs), epochs=1, steps_per_epoch=1,
                  shuffle=torch.Generator().manual_seed(0), max_grad_norm=1e9, device=CPU, limits=limits)
 
 
@@ -152,7 +185,50 @@ def bench() -> dict[str, Any]:
             "model": MODEL, "rows": ROWS, "prompt": PROMPT, "response": RESPONSE, "repeats": REPEATS,
             "response_tokens": {"mean": float(lengths.mean()), "median": float(lengths.median()),
                                 "at_cap": int((lengths == RESPONSE).sum())},
-            "real_tokens": int(batch.attention_mask.sum()), "max_log_prob_difference": agree, "modes": modes}
+            "real_tokens": int(batch.attention_mask.sum()), "max_log_prob_difference": agree, "modes": modes,
+            "heads": bench_heads(batch)}
+
+
+def bench_heads(batch: RolloutBatch) -> dict[str, Any]:
+    """Both LM-head modes over the same passes (length order, ROWS_PER_PASS rows): times, the largest logits
+    tensor the head returned in a pass (a forward hook measures it), and how far their log-probs differ."""
+    from hybridflow.data.tiny import ensure_tiny_model
+
+    path = str(ensure_tiny_model(**HEAD_MODEL))
+    training = RoleTraining(load_causal_lm(path, "float32", CPU), lr=1e-6, options=Training(), device=CPU)
+    reference = load_causal_lm(path, "float32", CPU).eval()
+    limits = Training(micro_batch_size=ROWS_PER_PASS)
+    largest: list[int] = [0]
+
+    def measure(_m: torch.nn.Module, _args: Any, out: torch.Tensor) -> None:
+        largest[0] = max(largest[0], out.numel() * out.element_size())
+
+    for module in (training.module, reference):
+        module.get_output_embeddings().register_forward_hook(measure)
+    runs: dict[str, dict[str, list[float]]] = {h: {"score_s": [], "update_s": []} for h in HEADS}
+    logits_bytes: dict[str, int] = {}
+    results: dict[str, torch.Tensor] = {}
+    for r in range(REPEATS + 1):
+        for head, log_probs in HEADS.items():
+            largest[0] = 0
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                results[head] = in_micro_batches(batch, limits, lambda mb, f=log_probs: f(reference, mb))
+            t1 = time.perf_counter()
+            ordered_update(training, batch, limits, log_probs)
+            t2 = time.perf_counter()
+            logits_bytes[head] = largest[0]
+            if r:
+                runs[head]["score_s"].append(t1 - t0)
+                runs[head]["update_s"].append(t2 - t1)
+        print(f"[bench] LM head, round {r}/{REPEATS}", flush=True)
+    first, *_ = HEADS
+    agree = max(float((results[h] - results[first]).abs().max()) for h in HEADS)
+    return {"model": HEAD_MODEL, "max_log_prob_difference": agree,
+            "modes": {h: {"score_s": statistics.median(runs[h]["score_s"]),
+                          "update_s": statistics.median(runs[h]["update_s"]),
+                          "score_runs_s": runs[h]["score_s"], "update_runs_s": runs[h]["update_s"],
+                          "largest_logits_bytes": logits_bytes[h]} for h in HEADS}}
 
 
 def render(report: dict[str, Any]) -> str:
@@ -180,21 +256,42 @@ def render(report: dict[str, Any]) -> str:
               "tokens column. Padded, every row is as wide as the longest prompt plus the longest response; in "
               "length order each pass is as wide as its own rows' longest, and a token limit lets passes of short "
               "rows take more of them. The log-probs of every mode agree to "
-              f"{report['max_log_prob_difference']:.1e} at every response token.", "",
+              f"{report['max_log_prob_difference']:.1e} at every response token.", ""]
+    heads = report["heads"]
+    every, *_ = heads["modes"].values()
+    lines += ["### The LM head on the response positions only", "",
+              f"The same batch and passes (length order, {ROWS_PER_PASS} rows a pass), on the same body with a "
+              f"vocabulary of {heads['model']['vocab_size']}: the LM head is then 29% of a token's matmul work, as "
+              "in Qwen2.5-0.5B (28%). The largest logits tensor is the biggest the LM head returned in one pass, "
+              "measured by a hook on it; the backward pass keeps it.", "",
+              "| the LM head runs on | scoring | update | largest logits tensor | scoring, update vs every position |",
+              "|---|---:|---:|---:|---|"]
+    for name, m in heads["modes"].items():
+        lines.append(f"| {name} | {m['score_s'] * 1000:.0f} ms | {m['update_s'] * 1000:.0f} ms | "
+                     f"{m['largest_logits_bytes'] / 2**20:.0f} MiB | **{every['score_s'] / m['score_s']:.2f}x**, "
+                     f"**{every['update_s'] / m['update_s']:.2f}x** |")
+    lines += ["", "Where the time goes: the head's matmul and the log-softmax over the vocabulary run on the response "
+              "positions only, so the saving is the prompt's share of each pass's positions times the head's share "
+              "of a token's work; the logits shrink by the prompt's share. With Qwen's full vocabulary of 151,936, "
+              "the logits of a prompt position are 594 KiB in fp32. The two modes' log-probs agree to "
+              f"{heads['max_log_prob_difference']:.1e}.", "",
               "![passes](results/passes.png)", END]
     return "\n".join(lines)
 
 
 def plot(report: dict[str, Any], out: Path) -> Path:
     plt = pyplot()
-    names = list(report["modes"])
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    grouped_bars(ax, {"scoring": [report["modes"][n]["score_s"] * 1000 for n in names],
-                      "update": [report["modes"][n]["update_s"] * 1000 for n in names]}, 0.4)
-    ax.set_xticks(range(len(names)), [n.replace(", ", "\n", 1) for n in names], fontsize=8)
-    ax.set_ylabel("ms per batch")
-    ax.set_title(f"{report['rows']} rows, responses up to {report['response']} tokens")
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), width_ratios=[3, 2])
+    panels = [(report["modes"], f"{report['rows']} rows, responses up to {report['response']} tokens"),
+              (report["heads"]["modes"], f"LM head, vocabulary {report['heads']['model']['vocab_size']}")]
+    for ax, (modes, title) in zip(axes, panels, strict=True):
+        names = list(modes)
+        grouped_bars(ax, {"scoring": [modes[n]["score_s"] * 1000 for n in names],
+                          "update": [modes[n]["update_s"] * 1000 for n in names]}, 0.4)
+        ax.set_xticks(range(len(names)), [n.replace(", ", "\n", 1) for n in names], fontsize=8)
+        ax.set_ylabel("ms per batch")
+        ax.set_title(title)
+        ax.legend()
     return save_figure(fig, out, dpi=120)
 
 

@@ -17,7 +17,8 @@
 #                                           raylets: does the next transfer overlap the current compute (~1
 #                                           minute): results/dispatch.json, dispatch.png
 #   make bench-passes                       reference log-probs and an update over rows in length order and
-#                                           trimmed vs padded rows in batch order, at rollout lengths (~2
+#                                           trimmed vs padded rows in batch order, at rollout lengths, and
+#                                           the LM head on the response positions vs every position (~2
 #                                           minutes): results/passes.json, passes.png
 
 BENCH_ARGS ?=

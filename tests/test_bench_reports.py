@@ -70,7 +70,8 @@ def test_dispatch_section_is_rendered_from_dispatch_json() -> None:
 
 
 def test_passes_section_is_rendered_from_passes_json() -> None:
-    """Every mode ran the same rows (its log-probs agree), and length order put fewer tokens through the model."""
+    """Every mode ran the same rows (its log-probs agree), length order put fewer tokens through the model, and
+    the LM head on the response positions returned smaller logits."""
     results = json.loads((RESULTS / "passes.json").read_text())
     assert results["format"] == passes.FORMAT and list(results["modes"]) == list(passes.MODES)
     assert passes.render(results) == section(passes.BEGIN, passes.END)
@@ -78,6 +79,10 @@ def test_passes_section_is_rendered_from_passes_json() -> None:
     padded, *ordered = results["modes"].values()
     assert padded["tokens"] == results["rows"] * (results["prompt"] + results["response"])
     assert all(results["real_tokens"] <= m["tokens"] < padded["tokens"] for m in ordered)
+    heads = results["heads"]
+    assert list(heads["modes"]) == list(passes.HEADS) and heads["max_log_prob_difference"] < 1e-4
+    every, response_only = heads["modes"].values()
+    assert response_only["largest_logits_bytes"] < every["largest_logits_bytes"]
     assert (RESULTS / "passes.png").is_file()
 
 

@@ -16,7 +16,7 @@ from hybridflow.data.tiny import TINY_CONFIG, ensure_tiny_model, tiny_task_rewar
 from hybridflow.metrics import MetricsLog
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
 from hybridflow.workers.host import WorkerHost
-from hybridflow.workers.modeling import response_log_probs
+from hybridflow.workers.modeling import load_causal_lm, position_ids, response_log_probs
 from hybridflow.workers.reward import RewardFunctionError, RewardWorker, gsm8k_reward, resolve_reward_function
 from tests.sharded_ranks import padded_batch
 
@@ -451,3 +451,20 @@ def test_every_critic_rank_starts_from_the_same_weights(ppo_spec) -> None:
     first, second = (dict(h.workers["critic"].model.state_dict()) for h in ranks)
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_the_lm_head_scores_response_positions_only() -> None:
+    """The log-probs are a full forward pass's, but the LM head sees the R+1 last positions, not the prompt's."""
+    model = load_causal_lm(str(ensure_tiny_model()), "float32", torch.device("cpu")).eval()
+    batch = padded_batch()
+    seen: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[1]))
+    with torch.no_grad():
+        logp, _ = response_log_probs(model, batch, torch.device("cpu"))
+        hook.remove()
+        mask = batch.attention_mask
+        every = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    response = batch.response_mask.shape[1]
+    assert seen == [response + 1] and batch.input_ids.shape[1] > response + 1
+    expected = algos.logprobs_from_logits(every[:, batch.prompt_length - 1:-1], batch.responses_ids)
+    torch.testing.assert_close(logp, expected, rtol=1e-5, atol=1e-6)

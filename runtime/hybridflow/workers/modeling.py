@@ -111,12 +111,16 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def response_logits(model: torch.nn.Module, batch: RolloutBatch, device: torch.device) -> torch.Tensor:
-    """Logits that predict each response token: positions P-1 .. P+R-2 of the full sequence."""
+    """Logits that predict each response token: positions P-1 .. P+R-2 of the full sequence.
+
+    The LM head runs on the last R+1 positions only (`logits_to_keep`): a prompt position's [vocab] logits would
+    be computed, kept for the backward pass, and thrown away."""
     ids = batch.input_ids.to(device)
     mask = batch.attention_mask.to(device)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False)
-    p = batch.prompt_length
-    return out.logits[:, p - 1:-1].float()
+    response = ids.shape[1] - batch.prompt_length
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
+                logits_to_keep=response + 1)
+    return out.logits[:, :-1].float()
 
 
 EntropyUse = Literal["metric", "loss"] | None
