@@ -145,9 +145,14 @@ def case_actor(rank: int) -> dict[str, Any]:
     batch = scored(rollout_batch(rows=6, prompt=5, response=6), plain)  # 11 tokens: padded to 12 under SP
     m = batch.response_mask.float()
     out: dict[str, Any] = {"sp_group_size": torch.distributed.get_world_size(sp_worker.sp.group())}
+    head: list[int] = []
+    hook = sp_worker.model.get_output_embeddings().register_forward_hook(
+        lambda _m, args, _out: head.append(args[0].shape[1]))
     with torch.no_grad():
         (lp_sp, ent_sp), (lp, ent) = (policy_log_probs(w.model, w.sp, batch, torch.device("cpu"), "loss")
                                       for w in (sp_worker, plain))
+    hook.remove()
+    out["lm_head_positions"] = head
     assert ent_sp is not None and ent is not None
     out["log_probs_max_abs_diff"] = max_diff(lp_sp * m, lp * m)
     out["entropy_max_abs_diff"] = max_diff(ent_sp * m, ent * m)

@@ -37,18 +37,23 @@ def policy_log_probs(module: torch.nn.Module, sp: SequenceParallel, batch: Rollo
                      entropy: EntropyUse = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`response_log_probs`, split over this rank's SP group when SP is on: each rank scores the next token at
     its 1/P of the positions, and only that [B, S, 2] table of log-prob and entropy is gathered, never the
-    [B, S, vocab] logits."""
+    [B, S, vocab] logits. A rank's LM head runs only on its positions that predict a response token."""
     if sp.group() is None:
         return response_log_probs(module, batch, device, entropy)
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
     labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)  # the token each position predicts
+    # > 0 at the positions P-1 .. S-1, cut like the sequence; the padding SP appends is 0
+    predicts = (torch.arange(ids.shape[1], device=device) - batch.prompt_length + 2).expand_as(ids)
 
-    def scores(part: torch.Tensor, _mask: None, positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = module(input_ids=part, position_ids=positions, use_cache=False).logits.float()
-        logp = logprobs_from_logits(logits, targets)
-        return torch.stack([logp, token_entropy(logits, entropy) if entropy else torch.zeros_like(logp)], -1)
+    def scores(part: torch.Tensor, _mask: None, positions: torch.Tensor, targets: torch.Tensor,
+               wanted: torch.Tensor) -> torch.Tensor:
+        keep = (wanted[0] > 0).nonzero().squeeze(-1)
+        logits = module(input_ids=part, position_ids=positions, use_cache=False, logits_to_keep=keep).logits.float()
+        logp = logprobs_from_logits(logits, targets.index_select(1, keep))
+        kept = torch.stack([logp, token_entropy(logits, entropy) if entropy else torch.zeros_like(logp)], -1)
+        return kept.new_zeros(*part.shape, 2).index_copy(1, keep, kept)
 
-    table = forward_tokens(scores, sp, ids, mask, (labels,), module)[:, batch.prompt_length - 1:-1]
+    table = forward_tokens(scores, sp, ids, mask, (labels, predicts), module)[:, batch.prompt_length - 1:-1]
     return table[..., 0], (table[..., 1] if entropy else None)
 
 
