@@ -17,6 +17,7 @@ and then the response's, against logits for the response positions only (`modeli
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -42,7 +43,7 @@ from hybridflow.workers.optim import micro_weight, train_epochs
 from hybridflow.workers.training import RoleTraining
 
 BEGIN, END = "<!-- passes-bench:begin -->", "<!-- passes-bench:end -->"
-FORMAT = 2
+FORMAT = 3
 MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "max_position_embeddings": 512}
 """The runtime benchmark's wide model, with room for longer sequences."""
 HEAD_MODEL = MODEL | {"vocab_size": 4096}
@@ -74,6 +75,63 @@ def every_position(module: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
 
 
 HEADS: dict[str, LogProbs] = {"every position": every_position, "response positions only": response_only}
+
+REDUCED = (2, 1024, 151_936)
+"""Logits of one pass for the vocabulary reductions: 2 rows of 1,024 response tokens over Qwen2.5's vocabulary
+(1.16 GiB in fp32)."""
+REDUCTIONS = ("entropy (metric)", "log-probs (scoring)")
+REDUCE_WAYS = ("whole", "chunked")
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reduction_peak(reduction: str, way: str) -> dict[str, float]:
+    """In a fresh process: how far its resident memory rises above what it holds with the logits made, while
+    `reduction` runs over them `way` (the whole tensor at once, or hybridflow's chunks of tokens). Before it runs,
+    the C heap gives back what it freed (malloc_trim) and the kernel's high-water mark is reset to the resident
+    size (clear_refs 5), so the mark measures this reduction alone."""
+    import ctypes
+
+    from hybridflow.workers import modeling
+
+    prepare_process(os.cpu_count() or 1)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(REDUCED, generator=g)
+    labels = torch.randint(0, REDUCED[-1], REDUCED[:-1], generator=g)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_kib("VmRSS")
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        if reduction == REDUCTIONS[0]:
+            out = (algos.entropy_from_logits(logits) if way == "whole" else modeling.token_entropy(logits, "metric"))
+        else:
+            out = (algos.logprobs_from_logits(logits, labels) if way == "whole"
+                   else modeling.token_log_probs(logits, labels))
+    seconds = time.perf_counter() - t0
+    extra = _status_kib("VmHWM") - before
+    return {"extra_peak_bytes": extra * 1024.0, "seconds": seconds, "sum": float(out.double().sum())}
+
+
+def bench_reductions() -> dict[str, Any]:
+    """Each reduction both ways, each run in a process of its own (a high-water mark only rises)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from hybridflow.workers.modeling import CHUNK_ELEMENTS
+
+    out: dict[str, Any] = {"logits_shape": list(REDUCED), "logits_bytes": math.prod(REDUCED) * 4,
+                           "chunk_elements": CHUNK_ELEMENTS, "runs": {}}
+    for reduction in REDUCTIONS:
+        for way in REDUCE_WAYS:
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                out["runs"][f"{reduction}, {way}"] = pool.submit(reduction_peak, reduction, way).result()
+    return out
 
 
 def rollout_batch(seed: int = 0) -> RolloutBatch:
@@ -186,7 +244,7 @@ def bench() -> dict[str, Any]:
             "response_tokens": {"mean": float(lengths.mean()), "median": float(lengths.median()),
                                 "at_cap": int((lengths == RESPONSE).sum())},
             "real_tokens": int(batch.attention_mask.sum()), "max_log_prob_difference": agree, "modes": modes,
-            "heads": bench_heads(batch)}
+            "heads": bench_heads(batch), "reductions": bench_reductions()}
 
 
 def bench_heads(batch: RolloutBatch) -> dict[str, Any]:
@@ -229,6 +287,12 @@ def bench_heads(batch: RolloutBatch) -> dict[str, Any]:
                           "update_s": statistics.median(runs[h]["update_s"]),
                           "score_runs_s": runs[h]["score_s"], "update_runs_s": runs[h]["update_s"],
                           "largest_logits_bytes": logits_bytes[h]} for h in HEADS}}
+
+
+def reduction_agreement(red: dict[str, Any]) -> float:
+    """The largest relative difference between a reduction's sums over its two ways."""
+    sums = [[red["runs"][f"{r}, {w}"]["sum"] for w in REDUCE_WAYS] for r in REDUCTIONS]
+    return max(abs(a - b) / abs(a) for a, b in sums)
 
 
 def render(report: dict[str, Any]) -> str:
@@ -274,7 +338,30 @@ def render(report: dict[str, Any]) -> str:
               "positions only, so the saving is the prompt's share of each pass's positions times the head's share "
               "of a token's work; the logits shrink by the prompt's share. With Qwen's full vocabulary of 151,936, "
               "the logits of a prompt position are 594 KiB in fp32. The two modes' log-probs agree to "
-              f"{heads['max_log_prob_difference']:.1e}.", "",
+              f"{heads['max_log_prob_difference']:.1e}.", ""]
+    red = report["reductions"]
+    rows, tokens, vocab = red["logits_shape"]
+    lines += ["### Reductions over the vocabulary, in chunks of tokens", "",
+              f"The per-token entropy logged as a metric and the log-probs of a scoring pass need no gradient, so "
+              f"they run on chunks of at most {red['chunk_elements']} logits (`modeling.CHUNK_ELEMENTS`: "
+              f"{red['chunk_elements'] // vocab} tokens at this vocabulary). Measured on the logits of one pass "
+              f"of {rows} rows x {tokens} response tokens over Qwen2.5's vocabulary of {vocab} "
+              f"({red['logits_bytes'] / 2**30:.2f} GiB in fp32), each run in a fresh process: the rise of its "
+              "resident memory's high-water mark (VmHWM, reset first) above what it held with the logits made.",
+              "",
+              "| reduction | whole tensor: extra peak | chunked: extra peak | whole : chunked | time, whole / "
+              "chunked |", "|---|---:|---:|---:|---|"]
+    for reduction in REDUCTIONS:
+        whole, chunked = (red["runs"][f"{reduction}, {way}"] for way in REDUCE_WAYS)
+        lines.append(f"| {reduction} | {whole['extra_peak_bytes'] / 2**20:.0f} MiB | "
+                     f"{chunked['extra_peak_bytes'] / 2**20:.0f} MiB | "
+                     f"**{whole['extra_peak_bytes'] / chunked['extra_peak_bytes']:.1f}x** | "
+                     f"{whole['seconds']:.2f} / {chunked['seconds']:.2f} s |")
+    lines += ["", "Where the memory goes: over the whole tensor the entropy holds three temporaries the size of the "
+              "logits at once (the softmax, the logits with -inf masked, their product) and the log-probs one (the "
+              "exponentials inside logsumexp); chunked, each is one chunk's. In an update the logits that train "
+              "stay whole: autograd keeps them for the backward pass. Both ways sum to the same to "
+              f"{reduction_agreement(red):.1e} (relative).", "",
               "![passes](results/passes.png)", END]
     return "\n".join(lines)
 

@@ -83,6 +83,11 @@ def test_passes_section_is_rendered_from_passes_json() -> None:
     assert list(heads["modes"]) == list(passes.HEADS) and heads["max_log_prob_difference"] < 1e-4
     every, response_only = heads["modes"].values()
     assert response_only["largest_logits_bytes"] < every["largest_logits_bytes"]
+    runs = results["reductions"]["runs"]
+    for reduction in passes.REDUCTIONS:
+        whole, chunked = (runs[f"{reduction}, {way}"] for way in passes.REDUCE_WAYS)
+        assert chunked["extra_peak_bytes"] < whole["extra_peak_bytes"]
+    assert passes.reduction_agreement(results["reductions"]) < 1e-6
     assert (RESULTS / "passes.png").is_file()
 
 

@@ -468,3 +468,35 @@ def test_the_lm_head_scores_response_positions_only() -> None:
     assert seen == [response + 1] and batch.input_ids.shape[1] > response + 1
     expected = algos.logprobs_from_logits(every[:, batch.prompt_length - 1:-1], batch.responses_ids)
     torch.testing.assert_close(logp, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_vocabulary_reductions_without_gradient_run_in_chunks(monkeypatch) -> None:
+    """The entropy as a metric, and log-probs that need no gradient, reduce chunks of CHUNK_ELEMENTS logits (4
+    tokens of 11 here) and equal the reduction of the whole tensor; log-probs that train reduce it whole, on the
+    graph."""
+    from hybridflow.workers import modeling
+
+    tokens: list[int] = []
+
+    def counted(reduce):
+        def run(chunk: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+            tokens.append(chunk.numel() // chunk.shape[-1])
+            return reduce(chunk, *rest)
+        return run
+
+    monkeypatch.setattr(modeling, "CHUNK_ELEMENTS", 4 * 11 + 3)
+    monkeypatch.setattr(modeling, "entropy_from_logits", counted(algos.entropy_from_logits))
+    monkeypatch.setattr(modeling, "logprobs_from_logits", counted(algos.logprobs_from_logits))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, generator=g)
+    logits[0, 0, 3] = float("-inf")
+    labels = torch.randint(0, 11, (3, 5), generator=g)
+    torch.testing.assert_close(modeling.token_entropy(logits, "metric"), algos.entropy_from_logits(logits))
+    assert tokens == [4, 4, 4, 3]
+    tokens.clear()
+    torch.testing.assert_close(modeling.token_log_probs(logits, labels), algos.logprobs_from_logits(logits, labels))
+    assert tokens == [4, 4, 4, 3]
+    tokens.clear()
+    trained = modeling.token_log_probs(logits.requires_grad_(), labels)
+    assert trained.requires_grad and tokens == [15]
+    assert modeling.token_entropy(logits[:, :0], "metric").shape == (3, 0)

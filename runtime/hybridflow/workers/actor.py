@@ -9,7 +9,6 @@ from typing import Any
 import torch
 
 from hybridflow import algos
-from hybridflow.algos import logprobs_from_logits
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.plan import SP_FIELDS, old_log_probs_from_update, optimizer_steps
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
@@ -26,6 +25,7 @@ from hybridflow.workers.modeling import (
     policy_weights,
     response_log_probs,
     token_entropy,
+    token_log_probs,
 )
 from hybridflow.workers.optim import train_epochs
 from hybridflow.workers.rollout import make_rollout
@@ -49,7 +49,7 @@ def policy_log_probs(module: torch.nn.Module, sp: SequenceParallel, batch: Rollo
                wanted: torch.Tensor) -> torch.Tensor:
         keep = (wanted[0] > 0).nonzero().squeeze(-1)
         logits = module(input_ids=part, position_ids=positions, use_cache=False, logits_to_keep=keep).logits.float()
-        logp = logprobs_from_logits(logits, targets.index_select(1, keep))
+        logp = token_log_probs(logits, targets.index_select(1, keep))
         kept = torch.stack([logp, token_entropy(logits, entropy) if entropy else torch.zeros_like(logp)], -1)
         return kept.new_zeros(*part.shape, 2).index_copy(1, keep, kept)
 

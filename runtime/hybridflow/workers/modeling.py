@@ -126,18 +126,42 @@ def response_logits(model: torch.nn.Module, batch: RolloutBatch, device: torch.d
 EntropyUse = Literal["metric", "loss"] | None
 """What a pass wants of the per-token entropy: nothing, a logged metric, or a term of the loss."""
 
+CHUNK_ELEMENTS = 2**26
+"""A reduction over the vocabulary that needs no gradient runs on chunks of tokens of at most this many logits
+(256 MiB in fp32; at least one token). Over the whole [B, R, vocab] its temporaries would take copies of the
+logits: three for the entropy (softmax, masked logits, their product), one for the log-probs (exp)."""
+
+
+@torch.no_grad()
+def per_token_in_chunks(reduce: Callable[..., torch.Tensor], logits: torch.Tensor,
+                        *aligned: torch.Tensor) -> torch.Tensor:
+    """`reduce` of [..., vocab] `logits` (with `aligned` [...] tensors) to [...], a chunk of tokens at a time."""
+    tokens = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    cut = [t.reshape(-1).split(tokens) for t in aligned]
+    parts = [reduce(chunk, *(c[i] for c in cut)) for i, chunk in enumerate(flat.split(tokens))]
+    if not parts:
+        return torch.zeros(logits.shape[:-1], device=logits.device)
+    return torch.cat(parts).view(logits.shape[:-1])
+
 
 def token_entropy(logits: torch.Tensor, use: Literal["metric", "loss"]) -> torch.Tensor:
     """Per-token entropy; as a metric it is taken off the graph, so the backward pass skips the softmax over the
-    vocabulary (and autograd keeps no [B, T, V] tensor for it)."""
-    return entropy_from_logits(logits if use == "loss" else logits.detach())
+    vocabulary (and autograd keeps no [B, T, V] tensor for it), and computed in chunks of tokens."""
+    return entropy_from_logits(logits) if use == "loss" else per_token_in_chunks(entropy_from_logits, logits)
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) per token; in chunks of tokens where no gradient is wanted (the scoring passes)."""
+    if logits.requires_grad:
+        return logprobs_from_logits(logits, labels)
+    return per_token_in_chunks(logprobs_from_logits, logits, labels)
 
 
 def response_log_probs(model: torch.nn.Module, batch: RolloutBatch, device: torch.device,
                        entropy: EntropyUse = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     logits = response_logits(model, batch, device)
-    labels = batch.responses_ids.to(device)
-    logp = logprobs_from_logits(logits, labels)
+    logp = token_log_probs(logits, batch.responses_ids.to(device))
     return logp, (token_entropy(logits, entropy) if entropy else None)
 
 
