@@ -79,7 +79,8 @@ HEADS: dict[str, LogProbs] = {"every position": every_position, "response positi
 REDUCED = (2, 1024, 151_936)
 """Logits of one pass for the vocabulary reductions: 2 rows of 1,024 response tokens over Qwen2.5's vocabulary
 (1.16 GiB in fp32)."""
-REDUCTIONS = ("entropy (metric)", "log-probs (scoring)")
+REDUCTIONS = ("entropy (metric)", "log-probs (scoring)", "log-probs (scoring), bf16 logits")
+"""The last: a bf16 policy's logits, upcast whole to fp32 and then reduced, against upcast a chunk at a time."""
 REDUCE_WAYS = ("whole", "chunked")
 
 
@@ -102,6 +103,8 @@ def reduction_peak(reduction: str, way: str) -> dict[str, float]:
     prepare_process(os.cpu_count() or 1)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(REDUCED, generator=g)
+    if reduction == REDUCTIONS[2]:
+        logits = logits.bfloat16()
     labels = torch.randint(0, REDUCED[-1], REDUCED[:-1], generator=g)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
@@ -111,7 +114,7 @@ def reduction_peak(reduction: str, way: str) -> dict[str, float]:
         if reduction == REDUCTIONS[0]:
             out = (algos.entropy_from_logits(logits) if way == "whole" else modeling.token_entropy(logits, "metric"))
         else:
-            out = (algos.logprobs_from_logits(logits, labels) if way == "whole"
+            out = (algos.logprobs_from_logits(logits.float(), labels) if way == "whole"
                    else modeling.token_log_probs(logits, labels))
     seconds = time.perf_counter() - t0
     extra = _status_kib("VmHWM") - before
@@ -359,7 +362,9 @@ def render(report: dict[str, Any]) -> str:
                      f"{whole['seconds']:.2f} / {chunked['seconds']:.2f} s |")
     lines += ["", "Where the memory goes: over the whole tensor the entropy holds three temporaries the size of the "
               "logits at once (the softmax, the logits with -inf masked, their product) and the log-probs one (the "
-              "exponentials inside logsumexp); chunked, each is one chunk's. In an update the logits that train "
+              "exponentials inside logsumexp); chunked, each is one chunk's. A bf16 policy's logits (half the "
+              "bytes) were upcast whole to fp32 before the reduction, a copy twice their size; now each chunk is "
+              "upcast on its own. In an update the logits that train "
               "stay whole: autograd keeps them for the backward pass. Both ways sum to the same to "
               f"{reduction_agreement(red):.1e} (relative).", "",
               "![passes](results/passes.png)", END]

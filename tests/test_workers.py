@@ -500,3 +500,28 @@ def test_vocabulary_reductions_without_gradient_run_in_chunks(monkeypatch) -> No
     trained = modeling.token_log_probs(logits.requires_grad_(), labels)
     assert trained.requires_grad and tokens == [15]
     assert modeling.token_entropy(logits[:, :0], "metric").shape == (3, 0)
+
+
+def test_16_bit_logits_are_upcast_whole_only_where_they_train(monkeypatch) -> None:
+    """A bf16 policy's scoring pass hands its logits to the reductions in bf16 (each chunk is upcast on its own: no
+    fp32 copy of the whole), with the log-probs of logits upcast whole; logits that train arrive in fp32."""
+    from hybridflow.workers import modeling
+
+    cpu = torch.device("cpu")
+    model = load_causal_lm(str(ensure_tiny_model()), "bfloat16", cpu)
+    batch = padded_batch()
+    dtypes: list[torch.dtype] = []
+
+    def reduce(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        dtypes.append(z.dtype)
+        return algos.logprobs_from_logits(z, y)
+
+    monkeypatch.setattr(modeling, "logprobs_from_logits", reduce)
+    with torch.no_grad():
+        logp, _ = response_log_probs(model, batch, cpu)
+        whole = algos.logprobs_from_logits(modeling.response_logits(model, batch, cpu).float(), batch.responses_ids)
+    assert dtypes == [torch.bfloat16] and logp.dtype == torch.float32
+    torch.testing.assert_close(logp, whole)
+    dtypes.clear()
+    trained, _ = response_log_probs(model, batch, cpu)
+    assert dtypes == [torch.float32] and trained.requires_grad

@@ -17,6 +17,7 @@ from hybridflow.workers.footprint import training_footprint
 from hybridflow.workers.modeling import (
     EntropyUse,
     check_model_dir,
+    for_reduction,
     in_micro_batches,
     load_causal_lm,
     load_policy,
@@ -48,7 +49,8 @@ def policy_log_probs(module: torch.nn.Module, sp: SequenceParallel, batch: Rollo
     def scores(part: torch.Tensor, _mask: None, positions: torch.Tensor, targets: torch.Tensor,
                wanted: torch.Tensor) -> torch.Tensor:
         keep = (wanted[0] > 0).nonzero().squeeze(-1)
-        logits = module(input_ids=part, position_ids=positions, use_cache=False, logits_to_keep=keep).logits.float()
+        logits = for_reduction(module(input_ids=part, position_ids=positions, use_cache=False,
+                                      logits_to_keep=keep).logits)
         logp = token_log_probs(logits, targets.index_select(1, keep))
         kept = torch.stack([logp, token_entropy(logits, entropy) if entropy else torch.zeros_like(logp)], -1)
         return kept.new_zeros(*part.shape, 2).index_copy(1, keep, kept)

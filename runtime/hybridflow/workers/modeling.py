@@ -114,13 +114,19 @@ def response_logits(model: torch.nn.Module, batch: RolloutBatch, device: torch.d
     """Logits that predict each response token: positions P-1 .. P+R-2 of the full sequence.
 
     The LM head runs on the last R+1 positions only (`logits_to_keep`): a prompt position's [vocab] logits would
-    be computed, kept for the backward pass, and thrown away."""
+    be computed, kept for the backward pass, and thrown away. They come in the model's dtype (see `for_reduction`)."""
     ids = batch.input_ids.to(device)
     mask = batch.attention_mask.to(device)
     response = ids.shape[1] - batch.prompt_length
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
                 logits_to_keep=response + 1)
-    return out.logits[:, :-1].float()
+    return for_reduction(out.logits[:, :-1])
+
+
+def for_reduction(logits: torch.Tensor) -> torch.Tensor:
+    """Logits that train are upcast to fp32 once, here, so the log-probs and an entropy term share one copy; others
+    keep the model's dtype, and the chunked reductions upcast them a chunk at a time (no whole fp32 copy)."""
+    return logits.float() if logits.requires_grad else logits
 
 
 EntropyUse = Literal["metric", "loss"] | None
