@@ -17,6 +17,27 @@ RESULTS = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
 
 
+def status_bytes(key: str) -> int:
+    """A memory line of /proc/self/status (VmRSS, VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def measured(fn: Callable[[], None]) -> tuple[float, int]:
+    """(seconds, peak extra bytes) of one call: VmHWM after it minus VmRSS before it, the peak reset first."""
+    import gc
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    base = status_bytes("VmRSS")
+    t0 = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t0
+    return seconds, max(0, status_bytes("VmHWM") - base)
+
+
 class RssSampler:
     """Polls the summed RSS of a process and all its descendants (pages shared between processes count in
     each): the peak, the most processes seen, a time series and, given `label`, the peak split by process."""

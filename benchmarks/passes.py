@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import grouped_bars, measure_or_render, save_figure
+from benchmarks.common import grouped_bars, measure_or_render, measured, save_figure
 from hybridflow import algos
 from hybridflow.api.spec import Training
 from hybridflow.metrics import pyplot
@@ -84,13 +84,6 @@ REDUCTIONS = ("entropy (metric)", "log-probs (scoring)", "log-probs (scoring), b
 REDUCE_WAYS = ("whole", "chunked")
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def reduction_peak(reduction: str, way: str) -> dict[str, float]:
     """In a fresh process: how far its resident memory rises above what it holds with the logits made, while
     `reduction` runs over them `way` (the whole tensor at once, or hybridflow's chunks of tokens). Before it runs,
@@ -106,19 +99,20 @@ def reduction_peak(reduction: str, way: str) -> dict[str, float]:
     if reduction == REDUCTIONS[2]:
         logits = logits.bfloat16()
     labels = torch.randint(0, REDUCED[-1], REDUCED[:-1], generator=g)
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status_kib("VmRSS")
-    t0 = time.perf_counter()
-    with torch.no_grad():
+    result: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def reduce() -> None:
         if reduction == REDUCTIONS[0]:
-            out = (algos.entropy_from_logits(logits) if way == "whole" else modeling.token_entropy(logits, "metric"))
+            result.append(algos.entropy_from_logits(logits) if way == "whole"
+                          else modeling.token_entropy(logits, "metric"))
         else:
-            out = (algos.logprobs_from_logits(logits.float(), labels) if way == "whole"
-                   else modeling.token_log_probs(logits, labels))
-    seconds = time.perf_counter() - t0
-    extra = _status_kib("VmHWM") - before
-    return {"extra_peak_bytes": extra * 1024.0, "seconds": seconds, "sum": float(out.double().sum())}
+            result.append(algos.logprobs_from_logits(logits.float(), labels) if way == "whole"
+                          else modeling.token_log_probs(logits, labels))
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    seconds, extra = measured(reduce)
+    return {"extra_peak_bytes": float(extra), "seconds": seconds, "sum": float(result[0].double().sum())}
 
 
 def bench_reductions() -> dict[str, Any]:

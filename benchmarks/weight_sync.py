@@ -33,7 +33,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import write_section
+from benchmarks.common import measured, status_bytes, write_section
 from hybridflow.workers.reshard import copy_into, pack, stream_buckets, tp_slice, unpack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,24 +63,6 @@ def build(config: dict[str, Any], seed: int) -> torch.nn.Module:
 
 
 # -- memory ---------------------------------------------------------------------------------------------------
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
-
-
-def measured(fn: Callable[[], None]) -> tuple[float, int]:
-    """(seconds, peak extra bytes) of one call: VmHWM after it minus VmRSS before it, the peak reset first."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _status("VmRSS")
-    t0 = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - t0
-    return seconds, max(0, _status("VmHWM") - base)
 
 
 def summary(runs: list[tuple[float, int]]) -> dict[str, float]:
@@ -249,7 +230,7 @@ def update_rank(rank: int, world: int, port: int, config: dict[str, Any], repeat
         runs = []
         for _ in range(repeats):
             torch.distributed.barrier()
-            before = _status("VmRSS")
+            before = status_bytes("VmRSS")
             seconds, extra = measured(update)
             runs.append((seconds, before + extra))
     result = {"copy_mib": role.inference_copy_bytes() / MiB, "copy_mib_in_update": seen[-1] / MiB,
