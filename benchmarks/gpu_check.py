@@ -15,6 +15,8 @@ time:
   the trained ones cast to bf16, and the policy version must follow.
 - process_group: a one-rank NCCL group (gloo with --cpu) and an all-reduce.
 - ulysses: hybridflow.workers.ulysses.gpu_check(device).
+- shared_prompts: a GRPO batch of the tiny bf16 policy scored with each prompt run once (the device's attention
+  kernels on a shared KV cache) and with every row whole: log-probs and gradients must agree to bf16's precision.
 - scale: a 1.78B Llama (Qwen2.5-1.5B's shape, untied embeddings; a small one with --cpu) trained by a sharded
   RoleTraining with gradient checkpointing, synced into its bf16 inference copy, streamed from there in buckets
   into a second copy (as into vLLM) and sampled: step time, training memory, each sync's time and peak memory
@@ -241,6 +243,41 @@ def check_ulysses(device: torch.device) -> dict[str, Any]:
     from hybridflow.workers import ulysses
 
     return dict(ulysses.gpu_check(device))
+
+
+def check_shared_prompts(device: torch.device) -> dict[str, Any]:
+    """A GRPO batch's log-probs and gradients with each prompt run once (its KV cache shared by its samples, on
+    this device's attention kernels) against every row run whole, in bf16."""
+    from hybridflow import algos
+    from hybridflow.workers.batch import RolloutBatch
+    from hybridflow.workers.modeling import position_ids, response_logits
+
+    model, _ = tiny_policy(device)
+    g = torch.Generator().manual_seed(0)
+    prompt = (torch.arange(6) >= 6 - torch.tensor([3, 6, 4, 5])[:, None]).long().repeat_interleave(4, 0)
+    response = (torch.arange(8) < torch.randint(1, 9, (16, 1), generator=g)).long()
+    mask = torch.cat([prompt, response], dim=1)
+    ids = torch.cat([torch.randint(4, 14, (4, 6), generator=g).repeat_interleave(4, 0),
+                     torch.randint(4, 14, (16, 8), generator=g)], dim=1) * mask
+    batch = RolloutBatch(ids, mask, response, 6, 0, [""] * 16, [""] * 16, [""] * 16, [i // 4 for i in range(16)])
+    ids, mask, real = ids.to(device), mask.to(device), response.bool().to(device)
+    tokens: list[int] = []
+    embeddings: torch.nn.Module = model.get_input_embeddings()  # type: ignore[operator]
+    hook = embeddings.register_forward_hook(lambda _m, args, _o: tokens.append(args[0].numel()))
+    shared = algos.logprobs_from_logits(response_logits(model, batch, device), ids[:, 6:])
+    hook.remove()
+    if tokens != [4 * 6, 16 * 7]:
+        raise AssertionError(f"the batch's 4 prompts did not run once each: the passes embedded {tokens} tokens")
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=9)
+    whole = algos.logprobs_from_logits(out.logits[:, :-1].float(), ids[:, 6:])
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [torch.autograd.grad(lp[real].sum(), params) for lp in (shared, whole)]
+    grad_diff = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-6)) for a, b in zip(*grads, strict=True))
+    diff = float((shared - whole)[real].abs().max())
+    if diff > 0.05 or grad_diff > 0.05:
+        raise AssertionError(f"shared prompts differ from whole rows: log-probs by {diff}, gradients by {grad_diff} "
+                             f"(relative)")
+    return {"embedded_tokens": tokens, "max_log_prob_difference": diff, "max_relative_gradient_difference": grad_diff}
 
 
 SCALE_SHAPES: dict[str, dict[str, Any]] = {
@@ -528,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         "reshard_torch_rollout": run("reshard_torch_rollout", lambda: check_reshard(device, backend)),
         "process_group": run("process_group", lambda: check_process_group(device, backend)),
         "ulysses": run("ulysses", lambda: check_ulysses(device)),
+        "shared_prompts": run("shared_prompts", lambda: check_shared_prompts(device)),
         "scale": run("scale", lambda: check_scale(device, backend)),
         "fused_steps": run("fused_steps", lambda: check_fused_steps(device, FUSED_STEPS[device.type])),
         "vllm_weight_load": run("vllm_weight_load", lambda: check_vllm(device, args.install_vllm)),

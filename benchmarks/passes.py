@@ -1,5 +1,5 @@
-"""Padding in the training passes: rows in length order and trimmed, against passes over padded rows; and the LM
-head on the response positions only, against every position.
+"""Padding in the training passes: rows in length order and trimmed, against passes over padded rows; the LM head
+on the response positions only, against every position; and a group's prompt run once, against every row whole.
 
 One GRPO-shaped batch whose responses are as long as an RL policy writes them (most far shorter than the cap, a
 tail that reaches it) goes through the two passes every step pays for: the reference log-probs (forward only)
@@ -10,6 +10,10 @@ every row to the batch's longest and cuts micro-batches in batch order (TRL's GR
 The second comparison runs the same passes (length order, trimmed) on the same body with a vocabulary of 4,096,
 so that the LM head is about the share of a token's matmul work it is in Qwen2.5-0.5B: logits for every position
 and then the response's, against logits for the response positions only (`modeling.response_logits`).
+
+The third runs each row whole, against a prompt that rows of a pass share run once (`modeling.shared_prompt_logits`),
+in one pass over the batch and in length order. The first two comparisons run every row whole, so that each
+measures its own effect.
 
     python -m benchmarks.passes            # ~3 minutes: results/passes.json, passes.png and its README section
     python -m benchmarks.passes --render   # redraw from the JSON
@@ -22,6 +26,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +48,7 @@ from hybridflow.workers.optim import micro_weight, train_epochs
 from hybridflow.workers.training import RoleTraining
 
 BEGIN, END = "<!-- passes-bench:begin -->", "<!-- passes-bench:end -->"
-FORMAT = 3
+FORMAT = 4
 MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "max_position_embeddings": 512}
 """The runtime benchmark's wide model, with room for longer sequences."""
 HEAD_MODEL = MODEL | {"vocab_size": 4096}
@@ -62,19 +67,27 @@ LogProbs = Callable[[torch.nn.Module, RolloutBatch], torch.Tensor]
 
 
 def response_only(module: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
-    """hybridflow's log-probs: the LM head on the response positions (and one more) only."""
+    """hybridflow's log-probs: the LM head on the response positions (and one more) only, a prompt that rows of
+    the pass share run once."""
     return response_log_probs(module, mb, CPU)[0]
 
 
-def every_position(module: torch.nn.Module, mb: RolloutBatch) -> torch.Tensor:
-    """The alternative: logits for every position of the pass, the prompt's thrown away."""
-    mask = mb.attention_mask
-    logits = module(input_ids=mb.input_ids, attention_mask=mask, position_ids=position_ids(mask),
-                    use_cache=False).logits
-    return algos.logprobs_from_logits(logits[:, mb.prompt_length - 1:-1].float(), mb.responses_ids)
+def whole_rows(module: torch.nn.Module, mb: RolloutBatch, every_position: bool = False) -> torch.Tensor:
+    """The alternative: every row run whole, its prompt included; the LM head on the response positions (and one
+    more) as TRL's GRPOTrainer runs it, or (`every_position`) on every position, the prompt's logits thrown away."""
+    mask, response = mb.attention_mask, mb.responses_ids.shape[1]
+    logits = module(input_ids=mb.input_ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
+                    logits_to_keep=0 if every_position else response + 1).logits
+    return algos.logprobs_from_logits(logits[:, -response - 1:-1].float(), mb.responses_ids)
 
 
-HEADS: dict[str, LogProbs] = {"every position": every_position, "response positions only": response_only}
+HEADS: dict[str, LogProbs] = {"every position": partial(whole_rows, every_position=True),
+                              "response positions only": whole_rows}
+SHARING: dict[str, LogProbs] = {"every row whole": whole_rows, "a group's prompt once": response_only}
+LAYOUTS: dict[str, Training] = {"one pass over the batch": Training(),
+                                f"length order, {ROWS_PER_PASS} rows a pass": Training(micro_batch_size=ROWS_PER_PASS)}
+"""How the prompt-sharing comparison cuts the batch: as a job with no micro-batch limits does, and in passes that
+split a group's samples by their response lengths."""
 
 REDUCED = (2, 1024, 151_936)
 """Logits of one pass for the vocabulary reductions: 2 rows of 1,024 response tokens over Qwen2.5's vocabulary
@@ -141,13 +154,14 @@ def rollout_batch(seed: int = 0) -> RolloutBatch:
     prompt = (torch.arange(PROMPT) >= PROMPT - prompt_lens[:, None]).long()
     response = (torch.arange(RESPONSE) < response_lens[:, None]).long()
     mask = torch.cat([prompt, response], dim=1)
-    ids = torch.randint(3, 14, mask.shape, generator=g) * mask
+    prompt_ids = torch.randint(3, 14, (ROWS // 8, PROMPT), generator=g).repeat_interleave(8, 0)
+    ids = torch.cat([prompt_ids, torch.randint(3, 14, (ROWS, RESPONSE), generator=g)], dim=1) * mask
     return RolloutBatch(ids, mask, response, PROMPT, 0, [""] * ROWS, [""] * ROWS, [""] * ROWS,
                         [i // 8 for i in range(ROWS)], tensors={"advantages": torch.randn(ROWS, generator=g)})
 
 
-def grpo_loss(module: torch.nn.Module, log_probs: LogProbs = response_only,
-              ) -> Callable[[RolloutBatch], tuple[torch.Tensor, dict[str, float]]]:
+def grpo_loss(module: torch.nn.Module,
+              log_probs: LogProbs) -> Callable[[RolloutBatch], tuple[torch.Tensor, dict[str, float]]]:
     def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         logp = log_probs(module, mb)
         surrogate = -mb.tensors["advantages"][:, None] * torch.exp(logp - logp.detach())
@@ -162,7 +176,7 @@ def padded_scores(batch: RolloutBatch, score: Score) -> torch.Tensor:
 
 def padded_update(training: RoleTraining, batch: RolloutBatch) -> None:
     """The alternative's update: the same micro-batches, padded, gradients added up, one AdamW step."""
-    loss_fn = grpo_loss(training.module)
+    loss_fn = grpo_loss(training.module, whole_rows)
     training.zero_grad()
     training.module.train()
     for idx in torch.arange(len(batch)).split(ROWS_PER_PASS):
@@ -172,8 +186,7 @@ def padded_update(training: RoleTraining, batch: RolloutBatch) -> None:
     training.step(1e9)
 
 
-def ordered_update(training: RoleTraining, batch: RolloutBatch, limits: Training,
-                   log_probs: LogProbs = response_only) -> None:
+def ordered_update(training: RoleTraining, batch: RolloutBatch, limits: Training, log_probs: LogProbs) -> None:
     train_epochs(training, batch, grpo_loss(training.module, log_probs), epochs=1, steps_per_epoch=1,
                  shuffle=torch.Generator().manual_seed(0), max_grad_norm=1e9, device=CPU, limits=limits)
 
@@ -208,7 +221,7 @@ def bench() -> dict[str, Any]:
     batch = rollout_batch()
 
     def score(mb: RolloutBatch) -> torch.Tensor:
-        return response_log_probs(reference, mb, CPU)[0]
+        return whole_rows(reference, mb)
 
     times: dict[str, dict[str, list[float]]] = {m: {"score_s": [], "update_s": []} for m in MODES}
     results: dict[str, torch.Tensor] = {}
@@ -221,7 +234,7 @@ def bench() -> dict[str, Any]:
             if limits is None:
                 padded_update(training, batch)
             else:
-                ordered_update(training, batch, limits)
+                ordered_update(training, batch, limits, whole_rows)
             t2 = time.perf_counter()
             results[mode] = out * batch.response_mask
             if r:
@@ -241,7 +254,7 @@ def bench() -> dict[str, Any]:
             "response_tokens": {"mean": float(lengths.mean()), "median": float(lengths.median()),
                                 "at_cap": int((lengths == RESPONSE).sum())},
             "real_tokens": int(batch.attention_mask.sum()), "max_log_prob_difference": agree, "modes": modes,
-            "heads": bench_heads(batch), "reductions": bench_reductions()}
+            "heads": bench_heads(batch), "sharing": bench_sharing(batch), "reductions": bench_reductions()}
 
 
 def bench_heads(batch: RolloutBatch) -> dict[str, Any]:
@@ -260,30 +273,70 @@ def bench_heads(batch: RolloutBatch) -> dict[str, Any]:
 
     for module in (training.module, reference):
         module.get_output_embeddings().register_forward_hook(measure)
-    runs: dict[str, dict[str, list[float]]] = {h: {"score_s": [], "update_s": []} for h in HEADS}
     logits_bytes: dict[str, int] = {}
-    results: dict[str, torch.Tensor] = {}
+
+    def before(_head: str) -> None:
+        largest[0] = 0
+
+    def after(head: str) -> None:
+        logits_bytes[head] = largest[0]
+
+    out = compared(training, reference, batch, {"": limits}, HEADS, "LM head", before, after)[""]
+    for head, m in out["modes"].items():
+        m["largest_logits_bytes"] = logits_bytes[head]
+    return {"model": HEAD_MODEL} | out
+
+
+def compared(training: RoleTraining, reference: torch.nn.Module, batch: RolloutBatch, layouts: dict[str, Training],
+             ways: dict[str, LogProbs], what: str, before: Callable[[str], None] = lambda _w: None,
+             after: Callable[[str], None] = lambda _w: None) -> dict[str, dict[str, Any]]:
+    """Per layout, each way's scoring pass (the reference) and update (the actor) over the same passes, in turn,
+    REPEATS times after one to warm up: median times, every run's, and how far the ways' log-probs differ."""
+    runs = {(lay, w): {"score_s": [], "update_s": []} for lay in layouts for w in ways}
+    results: dict[tuple[str, str], torch.Tensor] = {}
     for r in range(REPEATS + 1):
-        for head, log_probs in HEADS.items():
-            largest[0] = 0
-            t0 = time.perf_counter()
+        for lay, limits in layouts.items():
+            for way, log_probs in ways.items():
+                before(way)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    results[lay, way] = in_micro_batches(batch, limits, lambda mb, f=log_probs: f(reference, mb))
+                t1 = time.perf_counter()
+                ordered_update(training, batch, limits, log_probs)
+                t2 = time.perf_counter()
+                after(way)
+                if r:
+                    runs[lay, way]["score_s"].append(t1 - t0)
+                    runs[lay, way]["update_s"].append(t2 - t1)
+        print(f"[bench] {what}, round {r}/{REPEATS}", flush=True)
+    first = next(iter(ways))
+    return {lay: {"max_log_prob_difference": max(float((results[lay, w] - results[lay, first]).abs().max())
+                                                 for w in ways),
+                  "modes": {w: {"score_s": statistics.median(runs[lay, w]["score_s"]),
+                                "update_s": statistics.median(runs[lay, w]["update_s"]),
+                                "score_runs_s": runs[lay, w]["score_s"], "update_runs_s": runs[lay, w]["update_s"]}
+                            for w in ways}}
+            for lay in layouts}
+
+
+def bench_sharing(batch: RolloutBatch) -> dict[str, Any]:
+    """Every row whole against a group's prompt run once, in each of LAYOUTS; the tokens a scoring pass embeds
+    are counted by a hook on the reference's embedding."""
+    from hybridflow.data.tiny import ensure_tiny_model
+
+    path = str(ensure_tiny_model(**MODEL))
+    training = RoleTraining(load_causal_lm(path, "float32", CPU), lr=1e-6, options=Training(), device=CPU)
+    reference = load_causal_lm(path, "float32", CPU).eval()
+    embedded: list[int] = []
+    reference.get_input_embeddings().register_forward_hook(lambda _m, args, _o: embedded.append(args[0].numel()))
+    out = compared(training, reference, batch, LAYOUTS, SHARING, "prompt sharing")
+    for lay, limits in LAYOUTS.items():
+        for way, log_probs in SHARING.items():
+            embedded.clear()
             with torch.no_grad():
-                results[head] = in_micro_batches(batch, limits, lambda mb, f=log_probs: f(reference, mb))
-            t1 = time.perf_counter()
-            ordered_update(training, batch, limits, log_probs)
-            t2 = time.perf_counter()
-            logits_bytes[head] = largest[0]
-            if r:
-                runs[head]["score_s"].append(t1 - t0)
-                runs[head]["update_s"].append(t2 - t1)
-        print(f"[bench] LM head, round {r}/{REPEATS}", flush=True)
-    first, *_ = HEADS
-    agree = max(float((results[h] - results[first]).abs().max()) for h in HEADS)
-    return {"model": HEAD_MODEL, "max_log_prob_difference": agree,
-            "modes": {h: {"score_s": statistics.median(runs[h]["score_s"]),
-                          "update_s": statistics.median(runs[h]["update_s"]),
-                          "score_runs_s": runs[h]["score_s"], "update_runs_s": runs[h]["update_s"],
-                          "largest_logits_bytes": logits_bytes[h]} for h in HEADS}}
+                in_micro_batches(batch, limits, lambda mb, f=log_probs: f(reference, mb))
+            out[lay]["modes"][way]["tokens"] = sum(embedded)
+    return out
 
 
 def reduction_agreement(red: dict[str, Any]) -> float:
@@ -336,6 +389,26 @@ def render(report: dict[str, Any]) -> str:
               "of a token's work; the logits shrink by the prompt's share. With Qwen's full vocabulary of 151,936, "
               "the logits of a prompt position are 594 KiB in fp32. The two modes' log-probs agree to "
               f"{heads['max_log_prob_difference']:.1e}.", ""]
+    sharing = report["sharing"]
+    lines += ["### A group's prompt run once", "",
+              f"The same batch on the wide model: its {report['rows'] // 8} prompts have 8 samples each. Every row "
+              "run whole, against each distinct prompt of a pass run once and the pass's responses on its KV cache "
+              "(`modeling.shared_prompt_logits`; TRL's GRPOTrainer runs every row whole). Tokens are those a scoring "
+              "pass embeds, counted by a hook on the embedding.", "",
+              "| passes | each row | tokens through the model | scoring | update | scoring, update vs whole |",
+              "|---|---|---:|---:|---:|---|"]
+    for layout, out in sharing.items():
+        whole, *_ = out["modes"].values()
+        for name, m in out["modes"].items():
+            lines.append(f"| {layout} | {name} | {m['tokens']} | {m['score_s'] * 1000:.0f} ms | "
+                         f"{m['update_s'] * 1000:.0f} ms | **{whole['score_s'] / m['score_s']:.2f}x**, "
+                         f"**{whole['update_s'] / m['update_s']:.2f}x** |")
+    agree = max(out["max_log_prob_difference"] for out in sharing.values())
+    lines += ["", "Where the time goes: causal attention makes a prompt's keys and values the same in each of its "
+              "samples, so a prompt token is computed once per group and its gradient is the sum of its samples'. "
+              "In one pass every group's samples are together; in length order a pass holds the samples of like "
+              "response length, and a prompt runs once per pass that holds one of its samples. The log-probs of "
+              f"both ways agree to {agree:.1e}.", ""]
     red = report["reductions"]
     rows, tokens, vocab = red["logits_shape"]
     lines += ["### Reductions over the vocabulary, in chunks of tokens", "",
@@ -367,14 +440,16 @@ def render(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], out: Path) -> Path:
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), width_ratios=[3, 2])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.5), width_ratios=[3, 2, 4])
+    shared = {f"{lay}, {way}": m for lay, out in report["sharing"].items() for way, m in out["modes"].items()}
     panels = [(report["modes"], f"{report['rows']} rows, responses up to {report['response']} tokens"),
-              (report["heads"]["modes"], f"LM head, vocabulary {report['heads']['model']['vocab_size']}")]
+              (report["heads"]["modes"], f"LM head, vocabulary {report['heads']['model']['vocab_size']}"),
+              (shared, "a group's prompt once")]
     for ax, (modes, title) in zip(axes, panels, strict=True):
         names = list(modes)
         grouped_bars(ax, {"scoring": [modes[n]["score_s"] * 1000 for n in names],
                           "update": [modes[n]["update_s"] * 1000 for n in names]}, 0.4)
-        ax.set_xticks(range(len(names)), [n.replace(", ", "\n", 1) for n in names], fontsize=8)
+        ax.set_xticks(range(len(names)), [n.replace(", ", "\n") for n in names], fontsize=7)
         ax.set_ylabel("ms per batch")
         ax.set_title(title)
         ax.legend()

@@ -18,8 +18,9 @@
 #                                           minute): results/dispatch.json, dispatch.png
 #   make bench-passes                       reference log-probs and an update over rows in length order and
 #                                           trimmed vs padded rows in batch order, at rollout lengths, and
-#                                           the LM head on the response positions vs every position (~2
-#                                           minutes): results/passes.json, passes.png
+#                                           the LM head on the response positions vs every position, and a
+#                                           group's prompt run once vs every row whole (~5 minutes):
+#                                           results/passes.json, passes.png
 
 BENCH_ARGS ?=
 

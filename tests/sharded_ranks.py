@@ -25,13 +25,15 @@ LR = 1e-4
 PORT_TRIES = 4
 
 
-def make_batch(rows: int, seed: int, ragged: bool = False) -> RolloutBatch:
+def make_batch(rows: int, seed: int, ragged: bool = False, samples: int = 1) -> RolloutBatch:
     """Random tokens (every token of the vocabulary appears, so every embedding row gets a gradient); `ragged`
-    gives responses of 1..RESPONSE valid tokens."""
+    gives responses of 1..RESPONSE valid tokens. With `samples` above 1 each run of that many rows takes its first
+    row's prompt (a GRPO group), and some tokens of the vocabulary may then appear nowhere."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, len(VOCAB), (rows, PROMPT + RESPONSE), generator=g)
     flat = ids.view(-1)
     flat[: len(VOCAB)] = torch.arange(len(VOCAB))
+    ids[:, :PROMPT] = ids[::samples, :PROMPT].repeat_interleave(samples, 0)
     mask = torch.ones(rows, RESPONSE, dtype=torch.long)
     if ragged:
         lengths = torch.randint(1, RESPONSE + 1, (rows,), generator=g)
@@ -125,6 +127,10 @@ def ranks_main(rank: int, world: int, port: int, out: str, from_one: str) -> Non
         micro = new_training(microBatchSize=2)
         train(micro, ragged, 2, micro=2, agg=agg)
         res[f"ragged_micro_{agg}"] = weights(micro)
+
+    grouped = new_training()  # a rank's 4 rows share a prompt: two forward calls of the sharded module a pass
+    train(grouped, make_batch(8, seed=3, samples=4).shard(world)[rank], 3)
+    res["w3_grouped"] = weights(grouped)
 
     checkpointed = new_training(gradientCheckpointing=True)
     train(checkpointed, shard, 3)

@@ -88,6 +88,10 @@ def test_passes_section_is_rendered_from_passes_json() -> None:
         whole, chunked = (runs[f"{reduction}, {way}"] for way in passes.REDUCE_WAYS)
         assert chunked["extra_peak_bytes"] < whole["extra_peak_bytes"]
     assert passes.reduction_agreement(results["reductions"]) < 1e-6
+    assert list(results["sharing"]) == list(passes.LAYOUTS)
+    for out in results["sharing"].values():
+        whole, shared = (out["modes"][way] for way in passes.SHARING)
+        assert shared["tokens"] < whole["tokens"] and out["max_log_prob_difference"] < 1e-4
     assert (RESULTS / "passes.png").is_file()
 
 

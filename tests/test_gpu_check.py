@@ -21,7 +21,7 @@ def test_the_gpu_check_script_runs_its_cpu_parts(tmp_path: Path) -> None:
     checks = report["checks"]
     assert report["mode"] == "cpu" and report["failed"] == []
     for name in ("fsdp2_mixed_precision", "masters_training", "reshard_torch_rollout", "process_group", "ulysses",
-                 "scale", "fused_steps"):
+                 "shared_prompts", "scale", "fused_steps"):
         assert checks[name]["status"] == "ok", (name, checks[name])
     fsdp = checks["fsdp2_mixed_precision"]["detail"]
     assert fsdp["losses"][-1] < fsdp["losses"][0] and fsdp["param_dtypes"] == ["torch.float32"]
@@ -30,6 +30,7 @@ def test_the_gpu_check_script_runs_its_cpu_parts(tmp_path: Path) -> None:
     reshard = checks["reshard_torch_rollout"]["detail"]
     assert reshard["version"] == 1 and reshard["streamed_bytes"] > 0
     assert checks["process_group"]["detail"] == {"backend": "gloo", "world_size": 1}
+    assert checks["shared_prompts"]["detail"]["embedded_tokens"] == [4 * 6, 16 * 7]
     scale = checks["scale"]["detail"]
     assert scale["training_mib"]["optimizer"] == 2 * scale["training_mib"]["params"]  # Adam's two fp32 moments
     assert scale["generated_tokens"] > 0

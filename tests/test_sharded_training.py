@@ -51,7 +51,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     back = new_training()
     back.load(out / "from_two")
     train(back, full, 1)
-    return {"out": out, "w3": w3, "w4": w4, "grad_norm": grad_norm, "ranks": ranks, "w4_from_two": weights(back)}
+    grouped = new_training()
+    train(grouped, make_batch(8, seed=3, samples=4), 3)
+    return {"out": out, "w3": w3, "w4": w4, "grad_norm": grad_norm, "ranks": ranks, "w4_from_two": weights(back),
+            "w3_grouped": weights(grouped)}
 
 
 def test_a_sharded_update_equals_one_process_on_the_whole_batch(runs: dict[str, Any]) -> None:
@@ -60,6 +63,13 @@ def test_a_sharded_update_equals_one_process_on_the_whole_batch(runs: dict[str, 
     assert max_diff(ranks["w3_replicated"], runs["w3"]) < TOL
     assert ranks["grad_norm"] == pytest.approx(runs["grad_norm"], rel=1e-5)
     assert max_diff(runs["w3"], weights(new_training())) > 100 * TOL, "the steps moved the weights"
+
+
+def test_a_sharded_update_over_shared_prompts_equals_one_process(runs: dict[str, Any]) -> None:
+    """Rows that share a prompt run it once a pass (modeling.shared_prompt_logits): two forward calls of the
+    sharded module before its backward pass, which must reduce the same gradients as one process's."""
+    assert max_diff(runs["ranks"]["w3_grouped"], runs["w3_grouped"]) < TOL
+    assert max_diff(runs["w3_grouped"], weights(new_training())) > 100 * TOL, "the steps moved the weights"
 
 
 def test_micro_batches_on_uneven_shards_give_the_whole_minibatchs_update(runs: dict[str, Any]) -> None:

@@ -470,6 +470,74 @@ def test_the_lm_head_scores_response_positions_only() -> None:
     torch.testing.assert_close(logp, expected, rtol=1e-5, atol=1e-6)
 
 
+def grouped_batch() -> RolloutBatch:
+    """Three prompts (of 2, 4 and 3 tokens, left-padded to 4) with three sampled responses each (1 to 6 tokens,
+    right-padded to 6): a GRPO batch."""
+    g = torch.Generator().manual_seed(3)
+    prompt_lens = torch.tensor([2, 4, 3]).repeat_interleave(3)
+    response_lens = torch.tensor([6, 1, 3, 2, 5, 6, 4, 1, 2])
+    prompt = (torch.arange(4) >= 4 - prompt_lens[:, None]).long()
+    response = (torch.arange(6) < response_lens[:, None]).long()
+    ids = torch.cat([torch.randint(3, 14, (3, 4), generator=g).repeat_interleave(3, 0),
+                     torch.randint(3, 14, (9, 6), generator=g)], dim=1)
+    mask = torch.cat([prompt, response], dim=1)
+    return RolloutBatch(input_ids=ids * mask, attention_mask=mask, response_mask=response, prompt_length=4,
+                        policy_version=0, prompts=[""] * 9, responses=[""] * 9, answers=[""] * 9,
+                        group_ids=[0, 0, 0, 1, 1, 1, 2, 2, 2])
+
+
+def embedded_tokens(model: torch.nn.Module) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
+    """The tokens each forward call of `model` runs on, as they are appended, and the hook's handle."""
+    tokens: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda _m, args, _out: tokens.append(args[0].numel()))
+    return tokens, hook
+
+
+def test_rows_that_share_a_prompt_run_it_once() -> None:
+    """A GRPO batch's 3 prompts run once each and its 9 responses on their KV cache: 3 x 4 + 9 x 5 tokens instead
+    of 9 x 10. The log-probs are a full forward pass's, and so are the gradients, which the rows of a prompt
+    add up."""
+    model = load_causal_lm(str(ensure_tiny_model()), "float32", torch.device("cpu")).train()
+    batch = grouped_batch()
+    tokens, hook = embedded_tokens(model)
+    logp, _ = response_log_probs(model, batch, torch.device("cpu"))
+    hook.remove()
+    assert tokens == [3 * 4, 9 * 5]
+    mask = batch.attention_mask
+    every = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    expected = algos.logprobs_from_logits(every[:, 3:-1].float(), batch.responses_ids)
+    response = batch.response_mask.bool()
+    torch.testing.assert_close(logp[response], expected[response], rtol=1e-5, atol=1e-6)
+    params = [p for p in model.parameters() if p.requires_grad]
+    shared = torch.autograd.grad(logp[response].sum(), params)
+    full = torch.autograd.grad(expected[response].sum(), params)
+    for a, b in zip(shared, full, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_prompts_are_not_shared_where_training_recomputes_blocks() -> None:
+    """With gradient checkpointing a training pass runs every row whole (a recomputed block would extend the
+    cache twice); a scoring pass of the same model still shares. Rows with distinct prompts run whole, and so do
+    rows of which too few share one to pay for a second forward call (3 of 8 here)."""
+    from hybridflow.workers.training import enable_gradient_checkpointing
+
+    model = load_causal_lm(str(ensure_tiny_model()), "float32", torch.device("cpu"))
+    enable_gradient_checkpointing(model)
+    batch = grouped_batch()
+    tokens, hook = embedded_tokens(model)
+    logp, _ = response_log_probs(model.train(), batch, torch.device("cpu"))
+    with torch.no_grad():
+        scored, _ = response_log_probs(model.eval(), batch, torch.device("cpu"))
+        response_log_probs(model, padded_batch(), torch.device("cpu"))
+        few = padded_batch()
+        few.input_ids[:3, :6], few.attention_mask[:3, :6] = few.input_ids[0, :6], few.attention_mask[0, :6]
+        response_log_probs(model, few, torch.device("cpu"))
+    hook.remove()
+    assert tokens == [9 * 10, 3 * 4, 9 * 5, 8 * 14, 8 * 14]
+    response = batch.response_mask.bool()
+    torch.testing.assert_close(scored[response], logp.detach()[response], rtol=1e-5, atol=1e-6)
+
+
 def test_vocabulary_reductions_without_gradient_run_in_chunks(monkeypatch) -> None:
     """The entropy as a metric, and log-probs that need no gradient, reduce chunks of CHUNK_ELEMENTS logits (4
     tokens of 11 here) and equal the reduction of the whole tensor; log-probs that train reduce it whole, on the

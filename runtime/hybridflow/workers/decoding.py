@@ -10,14 +10,12 @@ softmax(logits / T) restricted to the top-p nucleus.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from hybridflow.api.spec import Evaluation, Rollout
-from hybridflow.workers.modeling import position_ids
+from hybridflow.workers.modeling import cache_keyword, distinct_prompts, position_ids, returned_cache
 
 
 @dataclass(frozen=True)
@@ -65,18 +63,6 @@ def compacts(finished: int, batch: int) -> bool:
     return finished >= max(1, batch // 8)
 
 
-def _cache_name(model: torch.nn.Module) -> str:
-    """The keyword the model's forward takes its KV cache by: `cache` in newer transformers, else
-    `past_key_values`."""
-    base_of = getattr(model, "get_base_model", None)  # a PEFT model's own
-    base = base_of() if callable(base_of) else model
-    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
-
-
-def _returned_cache(out: Any) -> Any:
-    return out["cache"] if "cache" in out else out["past_key_values"]
-
-
 @torch.no_grad()
 def sample(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, how: Sampling,
            eos_id: int | None, pad_id: int) -> torch.Tensor:
@@ -86,13 +72,11 @@ def sample(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_ne
     out_tokens = ids.new_full((rows, max_new_tokens), pad_id)
     if rows == 0 or max_new_tokens == 0:
         return out_tokens
-    key = _cache_name(model)
-    distinct, copy_of = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
-    width = ids.shape[1]
-    first_ids, first_mask = distinct[:, :width], distinct[:, width:]
+    key = cache_keyword(model)
+    first_ids, first_mask, copy_of = distinct_prompts(ids, mask)
     pos = position_ids(first_mask)
     out = model(input_ids=first_ids, attention_mask=first_mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache = _returned_cache(out)
+    cache = returned_cache(out)
     cache.batch_select_indices(copy_of)  # each sample gets its prompt's cache
     logits = out.logits[copy_of, -1]
     pos = pos[copy_of, -1:]

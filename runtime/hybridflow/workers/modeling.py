@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -14,6 +15,7 @@ from hybridflow.api.spec import ModelRef, Training
 from hybridflow.hub import HubError, resolve_model_path
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.lora import adapter_weights, apply_lora, is_lora, load_adapter_weights
+from hybridflow.workers.training import checkpoints_activations
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -114,13 +116,74 @@ def response_logits(model: torch.nn.Module, batch: RolloutBatch, device: torch.d
     """Logits that predict each response token: positions P-1 .. P+R-2 of the full sequence.
 
     The LM head runs on the last R+1 positions only (`logits_to_keep`): a prompt position's [vocab] logits would
-    be computed, kept for the backward pass, and thrown away. They come in the model's dtype (see `for_reduction`)."""
+    be computed, kept for the backward pass, and thrown away. Where rows share a prompt (a GRPO group's samples),
+    each distinct prompt runs once (`shared_prompt_logits`). They come in the model's dtype (see `for_reduction`)."""
     ids = batch.input_ids.to(device)
     mask = batch.attention_mask.to(device)
-    response = ids.shape[1] - batch.prompt_length
+    prompt, response = batch.prompt_length, ids.shape[1] - batch.prompt_length
+    if response > 1 and shares_prompts(model):
+        distinct, distinct_mask, copy_of = distinct_prompts(ids[:, :prompt], mask[:, :prompt])
+        if sharing_pays(len(distinct), len(ids)):
+            return for_reduction(shared_prompt_logits(model, ids, mask, prompt, (distinct, distinct_mask, copy_of)))
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
                 logits_to_keep=response + 1)
     return for_reduction(out.logits[:, :-1])
+
+
+def shares_prompts(model: torch.nn.Module) -> bool:
+    """Whether a pass may run a shared prompt once and its rows' responses on its KV cache: not where training
+    recomputes blocks in the backward pass (checkpointing drops the cache, and a recomputed block would extend it
+    twice)."""
+    return not (model.training and checkpoints_activations(model))
+
+
+def sharing_pays(distinct: int, rows: int) -> bool:
+    """Whether rows / distinct >= 2: a shared pass makes a second forward call, whose fixed cost a few repeated
+    prompts do not earn back. On the tiny model, a PPO batch of 256 rows, 12% of them repeating a prompt, scores in
+    13.3 ms shared against 10.2 ms whole; a GRPO batch of 32 prompts x 8 samples scores in 11.3 against 10.7 ms
+    and updates in 27.3 against 30.9 ms."""
+    return rows >= 2 * distinct
+
+
+def distinct_prompts(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct rows of left-padded prompts `ids` (`mask` 1 on their tokens): (ids, mask, copy_of), where
+    row i of the batch is distinct row copy_of[i]."""
+    distinct, copy_of = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
+    width = ids.shape[1]
+    return distinct[:, :width], distinct[:, width:], copy_of
+
+
+def shared_prompt_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, prompt: int,
+                         prompts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`response_logits` of [B, P + R] rows whose prompts are `prompts` (`distinct_prompts`), each prompt run once.
+
+    Causal attention makes a prompt's keys and values the same in every row that holds it: the distinct prompts
+    run first and keep their KV cache, which is indexed out to the rows (in the backward pass their rows'
+    gradients add up), and the responses run on it. A prompt token costs once per group instead of once per
+    sample; the logits equal a full forward's. The last prompt position's logits predict the first response
+    token; the last response token predicts nothing, so it does not run."""
+    distinct, distinct_mask, copy_of = prompts
+    response = ids.shape[1] - prompt
+    first = model(input_ids=distinct, attention_mask=distinct_mask, position_ids=position_ids(distinct_mask),
+                  use_cache=True, logits_to_keep=1)
+    cache = returned_cache(first)
+    cache.batch_select_indices(copy_of)
+    seen = mask[:, :prompt + response - 1]
+    rest = model(input_ids=ids[:, prompt:prompt + response - 1], attention_mask=seen,
+                 position_ids=position_ids(seen)[:, prompt:], use_cache=True, **{cache_keyword(model): cache})
+    return torch.cat([first.logits[copy_of], rest.logits], dim=1)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its KV cache by: `cache` in newer transformers, else
+    `past_key_values`."""
+    base_of = getattr(model, "get_base_model", None)  # a PEFT model's own
+    base = base_of() if callable(base_of) else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
+def returned_cache(out: Any) -> Any:
+    return out["cache"] if "cache" in out else out["past_key_values"]
 
 
 def for_reduction(logits: torch.Tensor) -> torch.Tensor:
