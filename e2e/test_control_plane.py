@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -348,3 +349,34 @@ def test_controllers_and_kuberay_move_off_ports_taken_before_they_bind(
                 assert bind_errors(cp, name) >= 1, name
         finally:
             cp.stop()
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+ORPHANING_STARTER = """
+import sys, threading, time
+from pathlib import Path
+from e2e.harness.controlplane import Process
+
+for _ in range(4):  # threads churning the heap while the component is forked, as Ray's and torch's do
+    threading.Thread(target=lambda: [bytearray(4096) for _ in iter(int, 1)], daemon=True).start()
+proc = Process.start("sleeper", ["sleep", "600"], Path(sys.argv[1]))
+print(proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_component_stops_when_the_test_process_is_killed(tmp_path: Path) -> None:
+    starter = subprocess.Popen(
+        [sys.executable, "-c", ORPHANING_STARTER, str(tmp_path / "sleeper.log")],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1],
+    )
+    try:
+        assert starter.stdout is not None
+        sleeper = controlplane.Process("sleeper", int(starter.stdout.readline()), ["sleep"], tmp_path / "sleeper.log")
+        assert sleeper.running()
+        starter.kill()
+        starter.wait(timeout=10)
+        eventually(lambda: not sleeper.running(), 10, "the orphaned component exited")
+    finally:
+        starter.kill()

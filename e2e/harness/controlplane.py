@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import ctypes
 import json
 import os
 import re
@@ -76,11 +75,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    """Linux only: deliver SIGTERM to the child if the test process dies without cleaning up."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def dies_with_parent(argv: list[str]) -> list[str]:
+    """argv behind util-linux setpriv, which sends it SIGTERM if the test process dies without cleaning up.
+
+    Not a preexec_fn: Python code between fork and exec in a process with threads (Ray's, torch's) can meet
+    a heap another thread held at the fork and abort the child ("malloc(): unaligned fastbin chunk")."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else argv
 
 
 def tail(path: Path, lines: int = 30) -> str:
@@ -126,13 +127,12 @@ class Process:
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as out:
             popen = subprocess.Popen(
-                argv,
+                argv if detach else dies_with_parent(argv),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **(env or {})},
                 start_new_session=True,
-                preexec_fn=None if detach else _die_with_parent,
             )
         return cls(name, popen.pid, argv, log, popen)
 
