@@ -1,11 +1,12 @@
-"""What the benchmarks share: a process-tree memory sampler, their README sections between markers, the command
-line of those that render from their JSON, and prose templates."""
+"""What the benchmarks share: a process-tree memory sampler, a count of the tokens a model embeds, their README
+sections between markers, the command line of those that render from their JSON, and prose templates."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from string import Template
 from typing import Any
@@ -15,6 +16,18 @@ import psutil
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 RESULTS = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
+
+
+@contextmanager
+def embedded_tokens(model: Any) -> Iterator[list[int]]:
+    """The tokens each forward call of `model` embeds while the block runs, one count a call: a hook on its input
+    embedding, removed on the way out."""
+    tokens: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda _m, args, _out: tokens.append(args[0].numel()))
+    try:
+        yield tokens
+    finally:
+        hook.remove()
 
 
 def status_bytes(key: str) -> int:

@@ -248,6 +248,7 @@ def check_ulysses(device: torch.device) -> dict[str, Any]:
 def check_shared_prompts(device: torch.device) -> dict[str, Any]:
     """A GRPO batch's log-probs and gradients with each prompt run once (its KV cache shared by its samples, on
     this device's attention kernels) against every row run whole, in bf16."""
+    from benchmarks.common import embedded_tokens
     from hybridflow import algos
     from hybridflow.workers.batch import RolloutBatch
     from hybridflow.workers.modeling import position_ids, response_logits
@@ -261,11 +262,8 @@ def check_shared_prompts(device: torch.device) -> dict[str, Any]:
                      torch.randint(4, 14, (16, 8), generator=g)], dim=1) * mask
     batch = RolloutBatch(ids, mask, response, 6, 0, [""] * 16, [""] * 16, [""] * 16, [i // 4 for i in range(16)])
     ids, mask, real = ids.to(device), mask.to(device), response.bool().to(device)
-    tokens: list[int] = []
-    embeddings: torch.nn.Module = model.get_input_embeddings()  # type: ignore[operator]
-    hook = embeddings.register_forward_hook(lambda _m, args, _o: tokens.append(args[0].numel()))
-    shared = algos.logprobs_from_logits(response_logits(model, batch, device), ids[:, 6:])
-    hook.remove()
+    with embedded_tokens(model) as tokens:
+        shared = algos.logprobs_from_logits(response_logits(model, batch, device), ids[:, 6:])
     if tokens != [4 * 6, 16 * 7]:
         raise AssertionError(f"the batch's 4 prompts did not run once each: the passes embedded {tokens} tokens")
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=9)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import grouped_bars, measure_or_render, measured, save_figure
+from benchmarks.common import embedded_tokens, grouped_bars, measure_or_render, measured, save_figure
 from hybridflow import algos
 from hybridflow.api.spec import Training
 from hybridflow.metrics import pyplot
@@ -327,15 +327,12 @@ def bench_sharing(batch: RolloutBatch) -> dict[str, Any]:
     path = str(ensure_tiny_model(**MODEL))
     training = RoleTraining(load_causal_lm(path, "float32", CPU), lr=1e-6, options=Training(), device=CPU)
     reference = load_causal_lm(path, "float32", CPU).eval()
-    embedded: list[int] = []
-    reference.get_input_embeddings().register_forward_hook(lambda _m, args, _o: embedded.append(args[0].numel()))
     out = compared(training, reference, batch, LAYOUTS, SHARING, "prompt sharing")
     for lay, limits in LAYOUTS.items():
         for way, log_probs in SHARING.items():
-            embedded.clear()
-            with torch.no_grad():
+            with torch.no_grad(), embedded_tokens(reference) as tokens:
                 in_micro_batches(batch, limits, lambda mb, f=log_probs: f(reference, mb))
-            out[lay]["modes"][way]["tokens"] = sum(embedded)
+            out[lay]["modes"][way]["tokens"] = sum(tokens)
     return out
 
 

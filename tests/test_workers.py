@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from benchmarks.common import embedded_tokens
 from hybridflow import algos
 from hybridflow.advantages import compute_advantages
 from hybridflow.api import parse_job
@@ -486,22 +487,14 @@ def grouped_batch() -> RolloutBatch:
                         group_ids=[0, 0, 0, 1, 1, 1, 2, 2, 2])
 
 
-def embedded_tokens(model: torch.nn.Module) -> tuple[list[int], torch.utils.hooks.RemovableHandle]:
-    """The tokens each forward call of `model` runs on, as they are appended, and the hook's handle."""
-    tokens: list[int] = []
-    hook = model.get_input_embeddings().register_forward_hook(lambda _m, args, _out: tokens.append(args[0].numel()))
-    return tokens, hook
-
-
 def test_rows_that_share_a_prompt_run_it_once() -> None:
     """A GRPO batch's 3 prompts run once each and its 9 responses on their KV cache: 3 x 4 + 9 x 5 tokens instead
     of 9 x 10. The log-probs are a full forward pass's, and so are the gradients, which the rows of a prompt
     add up."""
     model = load_causal_lm(str(ensure_tiny_model()), "float32", torch.device("cpu")).train()
     batch = grouped_batch()
-    tokens, hook = embedded_tokens(model)
-    logp, _ = response_log_probs(model, batch, torch.device("cpu"))
-    hook.remove()
+    with embedded_tokens(model) as tokens:
+        logp, _ = response_log_probs(model, batch, torch.device("cpu"))
     assert tokens == [3 * 4, 9 * 5]
     mask = batch.attention_mask
     every = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
@@ -524,15 +517,14 @@ def test_prompts_are_not_shared_where_training_recomputes_blocks() -> None:
     model = load_causal_lm(str(ensure_tiny_model()), "float32", torch.device("cpu"))
     enable_gradient_checkpointing(model)
     batch = grouped_batch()
-    tokens, hook = embedded_tokens(model)
-    logp, _ = response_log_probs(model.train(), batch, torch.device("cpu"))
-    with torch.no_grad():
-        scored, _ = response_log_probs(model.eval(), batch, torch.device("cpu"))
-        response_log_probs(model, padded_batch(), torch.device("cpu"))
-        few = padded_batch()
-        few.input_ids[:3, :6], few.attention_mask[:3, :6] = few.input_ids[0, :6], few.attention_mask[0, :6]
-        response_log_probs(model, few, torch.device("cpu"))
-    hook.remove()
+    with embedded_tokens(model) as tokens:
+        logp, _ = response_log_probs(model.train(), batch, torch.device("cpu"))
+        with torch.no_grad():
+            scored, _ = response_log_probs(model.eval(), batch, torch.device("cpu"))
+            response_log_probs(model, padded_batch(), torch.device("cpu"))
+            few = padded_batch()
+            few.input_ids[:3, :6], few.attention_mask[:3, :6] = few.input_ids[0, :6], few.attention_mask[0, :6]
+            response_log_probs(model, few, torch.device("cpu"))
     assert tokens == [9 * 10, 3 * 4, 9 * 5, 8 * 14, 8 * 14]
     response = batch.response_mask.bool()
     torch.testing.assert_close(scored[response], logp.detach()[response], rtol=1e-5, atol=1e-6)
