@@ -15,7 +15,7 @@ from hybridflow.api.spec import Training
 from hybridflow.data.tiny import VOCAB, ensure_tiny_model
 from hybridflow.workers import distributed
 from hybridflow.workers.batch import RolloutBatch
-from hybridflow.workers.modeling import load_causal_lm, quiet_transformers, response_log_probs
+from hybridflow.workers.modeling import in_micro_batches, load_causal_lm, quiet_transformers, response_log_probs
 from hybridflow.workers.optim import train_epochs
 from hybridflow.workers.training import RoleTraining, checkpoints_activations, full
 
@@ -127,6 +127,15 @@ def ranks_main(rank: int, world: int, port: int, out: str, from_one: str) -> Non
         micro = new_training(microBatchSize=2)
         train(micro, ragged, 2, micro=2, agg=agg)
         res[f"ragged_micro_{agg}"] = weights(micro)
+
+    scorer = new_training()  # forward only, the shards' 5 and 4 rows in 3 and 2 passes of 2: both ranks run 3
+    with torch.no_grad():
+        scored = in_micro_batches(ragged, Training(micro_batch_size=2),
+                                  lambda mb: response_log_probs(scorer.module, mb, CPU)[0], sharded_on=CPU)
+        whole = response_log_probs(scorer.model, ragged, CPU)[0] * ragged.response_mask
+    gap = torch.tensor([float((scored - whole).abs().max())])
+    torch.distributed.all_reduce(gap, op=torch.distributed.ReduceOp.MAX)
+    res["sharded_scoring_gap"] = float(gap)
 
     grouped = new_training()  # a rank's 4 rows share a prompt: two forward calls of the sharded module a pass
     train(grouped, make_batch(8, seed=3, samples=4).shard(world)[rank], 3)

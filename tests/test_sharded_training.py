@@ -79,6 +79,13 @@ def test_micro_batches_on_uneven_shards_give_the_whole_minibatchs_update(runs: d
         assert max_diff(ranks[f"ragged_micro_{agg}"], ranks[f"ragged_{agg}"]) < TOL, agg
 
 
+def test_forward_only_passes_of_a_sharded_module_on_uneven_shards_score_as_the_full_model(
+        runs: dict[str, Any]) -> None:
+    """As the update, scoring by the sharded module (the off-policy actor's proximal log-probs) runs the same
+    number of passes on every rank: a rank that ran fewer would leave the other waiting in a parameter gather."""
+    assert runs["ranks"]["sharded_scoring_gap"] < 1e-5
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_micro_batches_give_the_gradients_of_one_batch(agg: str) -> None:
     batch = make_batch(7, seed=3, ragged=True)

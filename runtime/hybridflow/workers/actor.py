@@ -195,7 +195,8 @@ class ActorRolloutWorker:
         was_training = module.training
         module.eval()
         proximal = in_micro_batches(batch, self.spec.trainer.training,
-                                    lambda mb: policy_log_probs(module, self.sp, mb, self.device)[0])
+                                    lambda mb: policy_log_probs(module, self.sp, mb, self.device)[0],
+                                    sharded_on=self.device if self.training.sharded else None)
         module.train(was_training)
         batch.tensors["old_log_probs"] = proximal.cpu()
         batch.tensors["behaviour_weights"] = algos.behaviour_weights(

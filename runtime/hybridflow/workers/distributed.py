@@ -50,6 +50,17 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def most_passes(count: int, device: torch.device) -> int:
+    """The most passes any rank needs, and at least one (a collective): ranks of a sharded module run that many,
+    each pass's parameter gathers matched on every rank, a rank short of data running passes that count for
+    nothing."""
+    if world_size() == 1:
+        return max(count, 1)
+    t = torch.tensor([max(count, 1)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
 def average_gradients(params: Iterable[torch.Tensor]) -> None:
     """g <- (1/W) * sum_r g_r, one all-reduce over the flattened gradients of `params`."""
     n = world_size()

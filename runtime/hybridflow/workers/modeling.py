@@ -13,6 +13,7 @@ import torch
 from hybridflow.algos import entropy_from_logits, logprobs_from_logits
 from hybridflow.api.spec import ModelRef, Training
 from hybridflow.hub import HubError, resolve_model_path
+from hybridflow.workers import distributed
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.lora import adapter_weights, apply_lora, is_lora, load_adapter_weights
 from hybridflow.workers.training import checkpoints_activations
@@ -234,18 +235,27 @@ def response_log_probs(model: torch.nn.Module, batch: RolloutBatch, device: torc
     return logp, (token_entropy(logits, entropy) if entropy else None)
 
 
-def in_micro_batches(batch: RolloutBatch, limits: Training,
-                     score: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
+def in_micro_batches(batch: RolloutBatch, limits: Training, score: Callable[[RolloutBatch], torch.Tensor],
+                     sharded_on: torch.device | None = None) -> torch.Tensor:
     """`score` of the batch's rows, in the batch's row order, by passes of at most `limits.micro_batch_size` rows
     and `limits.micro_batch_tokens` tokens (`RolloutBatch.passes`; no limit: one pass). A forward-only pass holds
     one pass's activations and logits at once, and runs on its rows `trimmed`. Per-token results ([B, R]) are 0
-    outside the response tokens, however the rows were padded."""
+    outside the response tokens, however the rows were padded.
+
+    `sharded_on`: `score` runs a module sharded over the ranks (on that device), whose every pass gathers its
+    parameters with the other ranks': each rank runs `distributed.most_passes`, the extra ones on its first row,
+    their scores dropped."""
     parts = batch.passes(None, limits.micro_batch_size, limits.micro_batch_tokens)
+    extra = 0 if sharded_on is None else distributed.most_passes(len(parts), sharded_on) - max(len(parts), 1)
     if len(parts) <= 1:
-        return _per_row(score(batch.trimmed()), batch)
-    rows = [batch.slice_index(idx) for idx in parts]
-    scores = [_per_row(score(mb.trimmed()), mb) for mb in rows]
-    return torch.cat(scores)[torch.cat(parts).argsort()]
+        out = _per_row(score(batch.trimmed()), batch)
+    else:
+        rows = [batch.slice_index(idx) for idx in parts]
+        scores = [_per_row(score(mb.trimmed()), mb) for mb in rows]
+        out = torch.cat(scores)[torch.cat(parts).argsort()]
+    for _ in range(extra):
+        score(batch.slice_index(torch.arange(1)).trimmed())
+    return out
 
 
 def _per_row(scores: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:

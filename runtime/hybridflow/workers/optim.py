@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from hybridflow.api.spec import Training
 from hybridflow.workers import distributed
@@ -25,17 +24,6 @@ def micro_weight(mask: torch.Tensor, whole: torch.Tensor, agg: str) -> float:
     else:
         num, den = float((mask.sum(-1) > 0).sum()), float((whole.sum(-1) > 0).sum())
     return num / den if den > 0 else 0.0
-
-
-def pass_count(count: int, device: torch.device, everywhere: bool) -> int:
-    """How many forward/backward passes this rank runs for a minibatch that needs `count`: `count`, or with
-    `everywhere` (sharded ranks, whose passes are collectives) the most any rank needs, and at least one, so
-    every rank runs the same passes (a rank short of data runs a pass that counts for nothing)."""
-    if not everywhere or distributed.world_size() == 1:
-        return count
-    t = torch.tensor([max(count, 1)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def train_epochs(training: RoleTraining, batch: RolloutBatch, loss_fn: MinibatchLoss, *, epochs: int,
@@ -63,7 +51,8 @@ def train_epochs(training: RoleTraining, batch: RolloutBatch, loss_fn: Minibatch
             whole = batch.slice_index(idx).response_mask if len(idx) else None
             parts: list[torch.Tensor | None] = list(batch.passes(idx, limits.micro_batch_size,
                                                                  limits.micro_batch_tokens))
-            parts += [None] * (pass_count(len(parts), device, training.sharded) - len(parts))
+            if training.sharded:
+                parts += [None] * (distributed.most_passes(len(parts), device) - len(parts))
             for part in parts:
                 if part is None or whole is None:  # a pass for the collectives alone
                     loss, _ = loss_fn(batch.slice_index(torch.arange(1)).trimmed())
