@@ -38,7 +38,7 @@ from benchmarks.runtime import (
     bench_job,
     interleaved,
     torch_threads,
-    with_threads,
+    with_layout,
 )
 from hybridflow.metrics import pyplot
 
@@ -79,7 +79,7 @@ def run_one(consistency: str, workload: Workload, steps: int, threads: int, metr
     try:
         ray.init(address=cluster.address, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-        job = with_consistency(with_threads(bench_job(steps, f"offpolicy-{consistency}", workload), threads),
+        job = with_consistency(with_layout(bench_job(steps, f"offpolicy-{consistency}", workload), 1, threads),
                                consistency)
         t0 = time.perf_counter()
         run_training(job, str(metrics))

@@ -113,8 +113,9 @@ def profile_hybridflow(job: Any, steps: int, warmup: int = 2) -> dict[str, Any]:
             add("e", fused["store"])
             add("l", t1 - fused["end"])
             continue
-        ro = next(t for t in mine if t["name"] == "rollout")
-        up = next(t for t in mine if t["name"] == "update")
+        # with several ranks the step waits for the last one
+        ro = max((t for t in mine if t["name"] == "rollout"), key=lambda t: t["end"])
+        up = max((t for t in mine if t["name"] == "update"), key=lambda t: t["end"])
         s_ro = next(s for s in sub if s[0] == "rollout")
         s_up = next(s for s in sub if s[0] == "update")
         rollout_compute = sum(rec[f"timing/{k}"] for k in ("generate", "reward", "ref_log_probs", "old_log_probs")

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 
@@ -38,7 +38,8 @@ README = ROOT / "benchmarks" / "README.md"
 SYSTEMS = ("hybridflow", "naive_ray", "trl")
 LABELS = {"hybridflow": "hybridflow", "naive_ray": "naive Ray", "trl": "TRL GRPOTrainer"}
 WARMUP = 2
-FORMAT = 2  # the layout of runtime*.json; bump it when the layout changes (no readers for older ones are kept)
+Choice = TypeVar("Choice")
+FORMAT = 3  # the layout of runtime*.json; bump it when the layout changes (no readers for older ones are kept)
 TARGETS = {"ratio_vs_naive_ray": 2.0, "ratio_vs_trl": 1.2, "orchestration_overhead_frac": 0.03}
 OVERHEAD_DEFINITIONS = {
     "hybridflow": "its own metric orchestration_overhead_frac: 1 - worker compute on the critical path / step time",
@@ -87,25 +88,30 @@ def torch_threads() -> int:
     return int(os.environ.get(THREADS_ENV) or os.cpu_count() or 1)
 
 
-def thread_choices(system: str) -> list[int]:
-    """Torch threads per process to run `system` with; its fastest round is the one reported.
+def layouts(system: str) -> list[tuple[int, int]]:
+    """(data-parallel ranks, torch threads per process) to run `system` with; its fastest round is the one reported.
 
-    One process (hybridflow's co-located worker, TRL) is fastest on every core. The naive loop's processes
-    partly run at once (reference and old log-probs), and threads waiting on a core another process holds
-    spin: it runs with one thread per process and with every core per process.
+    hybridflow and TRL run in one process on every core and in two data-parallel ranks on half the cores each:
+    hybridflow's co-located actor, reference and reward as two ranks (the graph's parallelism 2; replicated
+    training, which on a model this small beats FSDP's per-layer gathers), TRL as `accelerate launch` would run
+    two processes (DDP). The naive loop is one actor per role by definition; its processes partly run at once
+    (reference and old log-probs), and threads waiting on a core another process holds spin: it runs with one
+    thread per process and with every core per process.
     """
     cores = torch_threads()
-    return sorted({1, cores}) if system == "naive_ray" else [cores]
+    if system == "naive_ray":
+        return [(1, t) for t in sorted({1, cores})]
+    return [(1, cores)] + ([(2, cores // 2)] if cores >= 2 else [])
 
 
 def interleaved(rounds: int, settings: Sequence[str],
-                threads_of: Callable[[str], list[int]]) -> Iterator[tuple[int, str, int]]:
-    """(round from 1, setting, threads): every setting with each of its thread counts, once per round, in turn;
-    interleaving evens out load from other processes on a shared machine."""
+                choices_of: Callable[[str], list[Choice]]) -> Iterator[tuple[int, str, Choice]]:
+    """(round from 1, setting, choice): every setting with each of its choices (threads, layouts), once per round,
+    in turn; interleaving evens out load from other processes on a shared machine."""
     for r in range(1, rounds + 1):
         for setting in settings:
-            for threads in threads_of(setting):
-                yield r, setting, threads
+            for choice in choices_of(setting):
+                yield r, setting, choice
 
 
 def bench_job(steps: int, name: str, workload: Workload) -> Any:
@@ -129,14 +135,21 @@ def bench_job(steps: int, name: str, workload: Workload) -> Any:
     return job
 
 
-def with_threads(job: Any, threads: int) -> Any:
-    """The job's built-in graph with the actor's bundle (its process: actor, reference and reward) holding
-    `threads` CPUs, which its torch then uses (scheduler.placement.torch_threads)."""
+def with_layout(job: Any, ranks: int, threads: int) -> Any:
+    """The job's built-in graph with its co-located group (one process a rank: actor, reference and reward) in
+    `ranks` ranks whose bundles hold `threads` CPUs each, which their torch then uses
+    (scheduler.placement.torch_threads); several ranks train replicated."""
     from hybridflow.graph import builtin_graph
 
     graph = builtin_graph(job.spec, "CPU")
-    graph.get("actor_rollout").resources["CPU"] = float(threads)
+    actor = graph.get("actor_rollout")
+    actor.resources["CPU"] = float(threads)
+    group = next(g for g in graph.colocation_groups() if actor in g.nodes)
+    for node in group.nodes:
+        node.parallelism = ranks
     job.spec.graph = graph.to_spec()
+    if ranks > 1:
+        job.spec.trainer.training.shard = False
     return job
 
 
@@ -159,16 +172,17 @@ def start_local_ray(threads: int | None = None) -> None:
 # -- one system, in its own process -------------------------------------------------------------------
 
 
-def run_system(system: str, steps: int, result: Path, workload: Workload, threads: int) -> dict[str, Any]:
-    """Train `steps` steps with one system, `threads` torch threads per process; records use hybridflow's
-    metric names plus `tokens`."""
+def run_system(system: str, steps: int, result: Path, workload: Workload, layout: tuple[int, int]) -> dict[str, Any]:
+    """Train `steps` steps with one system in `layout` (data-parallel ranks, torch threads per process); records
+    use hybridflow's metric names plus `tokens`."""
     job = bench_job(steps, f"bench-{system.replace('_', '-')}", workload)
     t0 = time.perf_counter()
-    extra: dict[str, Any] = {"torch_threads": threads}
+    ranks, threads = layout
+    extra: dict[str, Any] = {"ranks": ranks, "torch_threads": threads}
     if system == "trl":
         from benchmarks.trl_grpo import run_trl
 
-        out = run_trl(job.spec, steps, threads)
+        out = run_trl(job.spec, steps, threads, ranks)
         records = out.pop("records")
         extra |= out
     else:
@@ -180,7 +194,7 @@ def run_system(system: str, steps: int, result: Path, workload: Workload, thread
                 from hybridflow.driver import run_training
 
                 metrics = result.with_name(f"{result.stem}-metrics.jsonl")
-                run_training(with_threads(job, threads), str(metrics))
+                run_training(with_layout(job, ranks, threads), str(metrics))
                 records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
                 for r in records:
                     r["tokens"] = r["tokens_per_s"] * r["timing/step"]
@@ -188,7 +202,8 @@ def run_system(system: str, steps: int, result: Path, workload: Workload, thread
             elif system == "profile":
                 from benchmarks.profile_hybridflow import profile_hybridflow
 
-                return {"system": system, "profile": profile_hybridflow(with_threads(job, threads), steps, WARMUP),
+                return {"system": system, "profile": profile_hybridflow(with_layout(job, ranks, threads), steps,
+                                                                         WARMUP),
                         "wall_s": time.perf_counter() - t0}
             elif system == "naive_ray":
                 from benchmarks.naive_ray import run_naive
@@ -216,12 +231,12 @@ def process_label(proc: psutil.Process) -> str:
     return f"{name} {scripts[0]}" if name.startswith("python") and scripts else name
 
 
-def launch(system: str, steps: int, workdir: Path, timeout_s: float, workload: Workload, threads: int,
+def launch(system: str, steps: int, workdir: Path, timeout_s: float, workload: Workload, layout: tuple[int, int],
            tag: str = "", tries: int = 2) -> dict[str, Any]:
     """`launch_once`, tried again when it fails (Ray's start-up can time out on a loaded machine)."""
     for attempt in range(1, tries + 1):
         try:
-            return launch_once(system, steps, workdir, timeout_s, workload, threads, tag)
+            return launch_once(system, steps, workdir, timeout_s, workload, layout, tag)
         except RuntimeError as e:
             if attempt == tries:
                 raise
@@ -229,15 +244,16 @@ def launch(system: str, steps: int, workdir: Path, timeout_s: float, workload: W
     raise AssertionError("unreachable")
 
 
-def launch_once(system: str, steps: int, workdir: Path, timeout_s: float, workload: Workload, threads: int,
-                tag: str = "") -> dict[str, Any]:
+def launch_once(system: str, steps: int, workdir: Path, timeout_s: float, workload: Workload,
+                layout: tuple[int, int], tag: str = "") -> dict[str, Any]:
     """Run one system in a child process; returns its raw result plus peak RSS and load averages."""
-    name = f"{workload.name}-{system}{tag}-t{threads}"
+    ranks, threads = layout
+    name = f"{workload.name}-{system}{tag}-r{ranks}t{threads}"
     result_path = workdir / f"{name}.json"
     log_path = workdir / f"{name}.log"
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "benchmarks.runtime", "--worker", system, "--steps", str(steps),
-           "--workload", workload.name, "--threads", str(threads), "--result", str(result_path)]
+           "--workload", workload.name, "--ranks", str(ranks), "--threads", str(threads), "--result", str(result_path)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     load_before = os.getloadavg()
     with log_path.open("w") as log:
@@ -283,12 +299,13 @@ def summarise(raws: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Headline figures from the least-disturbed round (lowest median step time), after warm-up.
 
     Other processes on a shared machine only ever add time, and every system gets the same number of
-    rounds; each round's figures and the figures pooled over all rounds with that round's threads are kept
-    beside the headline.
+    rounds; each round's figures and the figures pooled over all rounds with that round's layout (ranks and
+    threads) are kept beside the headline.
     """
     measured = [raw["records"][warmup:] or raw["records"] for raw in raws]
     per_round = [_figures(m) | {"load_avg_1min_at_start": raw["load_avg_before"][0], "wall_s": raw["wall_s"],
-                                "peak_rss_mib": raw["peak_rss_bytes"] / 2**20, "torch_threads": raw["torch_threads"]}
+                                "peak_rss_mib": raw["peak_rss_bytes"] / 2**20, "ranks": raw["ranks"],
+                                "torch_threads": raw["torch_threads"]}
                  for raw, m in zip(raws, measured, strict=True)]
     best = min(range(len(raws)), key=lambda i: per_round[i]["median_step_s"])
     raw, recs = raws[best], measured[best]
@@ -309,11 +326,11 @@ def summarise(raws: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "median_timings_s": {k: _median([r[k] for r in recs if k in r]) for k in timing_keys},
         "rounds": per_round,
         "pooled": _figures([r for x, m in zip(raws, measured, strict=True) for r in m
-                            if x["torch_threads"] == raw["torch_threads"]]),
+                            if (x["ranks"], x["torch_threads"]) == (raw["ranks"], raw["torch_threads"])]),
         "curves": {"step_s": [[r["timing/step"] for r in x["records"]] for x in raws],
                    "reward_mean": rewards,
                    "tokens_per_s": [[r["tokens"] / r["timing/step"] for r in x["records"]] for x in raws]},
-        **{k: raw[k] for k in ("batch_shape", "torch_threads", "optimizer_steps_per_rl_step") if k in raw},
+        **{k: raw[k] for k in ("batch_shape", "ranks", "torch_threads", "optimizer_steps_per_rl_step") if k in raw},
     }
 
 
@@ -414,10 +431,10 @@ def markdown(report: dict[str, Any], text: Text | None = None) -> str:
     workload = WORKLOADS[report["config"]["workload"]]
     rows = []
     for name, s in report["systems"].items():
-        each = " / ".join(f"{r['median_step_s']:.3f} ({r['torch_threads']})" for r in s["rounds"])
+        each = " / ".join(f"{r['median_step_s']:.3f} ({r['ranks']} x {r['torch_threads']})" for r in s["rounds"])
         rows.append(
-            f"| {LABELS[name]} | {s['torch_threads']} | {s['tokens_per_s']:.0f} | {s['median_step_s']:.3f} "
-            f"| {s['p90_step_s']:.3f} "
+            f"| {LABELS[name]} | {s['ranks']} x {s['torch_threads']} | {s['tokens_per_s']:.0f} "
+            f"| {s['median_step_s']:.3f} | {s['p90_step_s']:.3f} "
             f"| {_fmt(s['orchestration_overhead_frac'], '.1%')} | {s['peak_rss_mib']:.0f} | {s['peak_processes']} "
             f"| {s['reward_start']:.3f} → {s['reward_end']:.3f} | {each} |"
         )
@@ -453,9 +470,13 @@ def markdown(report: dict[str, Any], text: Text | None = None) -> str:
         f"{LABELS[n]}: " + ", ".join(f"{k} {t * 1e3:.0f}" for k, t in ts.items()) for n, ts in parts.items())))
     prof = report.get("hybridflow_step_breakdown")
     if prof:
+        hf = report["systems"]["hybridflow"]
         paragraphs.append(text(
-            "breakdown", steps=prof["measured_steps"], step_ms=f"{prof['median_step_ms']:.1f}",
-            compute_ms=f"{prof['median_compute_ms']:.1f}", advantages_ms=f"{prof['median_advantages_ms']:.1f}",
+            "breakdown", steps=prof["measured_steps"], layout=f"{hf['ranks']} x {hf['torch_threads']}",
+            queued=text("breakdown_queued") if prof["one_call_per_step"] else "",
+            ranks_note=text("breakdown_ranks") if hf["ranks"] > 1 else "",
+            step_ms=f"{prof['median_step_ms']:.1f}", compute_ms=f"{prof['median_compute_ms']:.1f}",
+            advantages_ms=f"{prof['median_advantages_ms']:.1f}",
             call_ms=f"{prof['actor_call_round_trip_ms']:.2f}", sum_ms=f"{prof['segments_sum_ms']:.2f}",
             rows="\n".join(f"| {k} | {v:.2f} |" for k, v in prof["segments_ms"].items())))
     body = text(
@@ -547,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render", action="store_true", help="only redraw the plots and README sections from the JSON")
     p.add_argument("--worker", choices=(*SYSTEMS, "profile"), help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--ranks", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     steps, rounds = (4, 1) if args.quick else (args.steps, args.rounds)
@@ -554,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps must exceed the {WARMUP} warm-up steps")
     workloads = list(WORKLOADS.values()) if args.workload == "all" else [WORKLOADS[args.workload]]
     if args.worker:
-        raw = run_system(args.worker, steps, args.result, workloads[0], args.threads)
+        raw = run_system(args.worker, steps, args.result, workloads[0], (args.ranks, args.threads))
         args.result.write_text(json.dumps(raw))
         return 0
     out_dir = args.out_dir or (ROOT / "runs" / "bench-runtime-quick" if args.quick else RESULTS)
@@ -589,10 +611,10 @@ def bench_workload(workload: Workload, systems: list[str], steps: int, rounds: i
     ensure_tiny_model(**workload.model)  # made once here, not inside a timed run
     t_start = time.perf_counter()
     raws: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
-    for r, system, threads in interleaved(rounds, systems, thread_choices):
-        print(f"[bench] {workload.name}, round {r}/{rounds}: {LABELS[system]}, {threads} thread(s), "
-              f"{steps} steps ...", flush=True)
-        raws[system].append(launch(system, steps, workdir, timeout_s, workload, threads, f"-{r}"))
+    for r, system, (ranks, threads) in interleaved(rounds, systems, layouts):
+        print(f"[bench] {workload.name}, round {r}/{rounds}: {LABELS[system]}, {ranks} rank(s) x {threads} "
+              f"thread(s), {steps} steps ...", flush=True)
+        raws[system].append(launch(system, steps, workdir, timeout_s, workload, (ranks, threads), f"-{r}"))
         s = summarise(raws[system][-1:], WARMUP)
         print(f"[bench]   {s['tokens_per_s']:.0f} tokens/s, median step {s['median_step_s']:.3f} s, "
               f"overhead {_fmt(s['orchestration_overhead_frac'], '.1%')}, "
@@ -603,8 +625,9 @@ def bench_workload(workload: Workload, systems: list[str], steps: int, rounds: i
     if "hybridflow" in systems and profile:
         print(f"[bench] breakdown of hybridflow's step, {max(steps, 12)} steps ...", flush=True)
         try:
+            best = summaries["hybridflow"]
             report["hybridflow_step_breakdown"] = launch("profile", max(steps, 12), workdir, timeout_s, workload,
-                                                         thread_choices("hybridflow")[0])["profile"]
+                                                         (best["ranks"], best["torch_threads"]))["profile"]
         except RuntimeError as e:
             print(f"[bench] the breakdown failed, writing the rest: {e}", flush=True)
     report["bench_wall_s"] = round(time.perf_counter() - t_start, 1)

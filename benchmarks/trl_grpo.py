@@ -1,12 +1,15 @@
-"""TRL's GRPOTrainer on the same tiny model, task, batch and step count, in one process, timed per RL step.
+"""TRL's GRPOTrainer on the same tiny model, task, batch and step count, timed per RL step: in one process, or
+in several that train data-parallel as `accelerate launch` runs them (DDP; gloo on CPU).
 
 One RL step is what hybridflow calls a step: one generation batch of prompts * samples completions, scored,
 then `ppoEpochs * ceil(batch / miniBatchSize)` optimiser steps. TRL reaches that with
-per_device_train_batch_size = miniBatchSize and steps_per_generation = batch / miniBatchSize.
+per_device_train_batch_size = miniBatchSize / processes and steps_per_generation = batch / miniBatchSize.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -53,8 +56,36 @@ class _Clock:
         return out
 
 
-def run_trl(spec: RLTrainingJobSpec, steps: int, threads: int = 1) -> dict[str, Any]:
-    """Train `steps` RL steps with GRPOTrainer; returns per-step records in hybridflow's metric names."""
+def run_trl(spec: RLTrainingJobSpec, steps: int, threads: int = 1, ranks: int = 1) -> dict[str, Any]:
+    """Train `steps` RL steps with GRPOTrainer, in `ranks` processes of `threads` torch threads each; returns per-step
+    records in hybridflow's metric names: rank 0's step times, every rank's tokens and rewards."""
+    if ranks == 1:
+        return _train(spec, steps, threads)
+    import torch.multiprocessing as mp
+
+    from hybridflow.workers.distributed import free_port
+
+    with tempfile.TemporaryDirectory(prefix="bench-trl-ranks-") as tmp:
+        out = os.path.join(tmp, "rank0.json")
+        mp.spawn(_rank_main, args=(ranks, free_port(), spec.model_dump(by_alias=True, mode="json"), steps, threads,
+                                   out), nprocs=ranks, join=True)
+        with open(out) as f:
+            result: dict[str, Any] = json.load(f)
+    return result | {"ranks": ranks}
+
+
+def _rank_main(rank: int, ranks: int, port: int, spec: dict[str, Any], steps: int, threads: int, out: str) -> None:
+    """One process of a data-parallel run, found by accelerate through the variables `torchrun` sets;
+    OMP_NUM_THREADS keeps accelerate from choosing the threads itself."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
+    result = _train(RLTrainingJobSpec.model_validate(spec), steps, threads)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+def _train(spec: RLTrainingJobSpec, steps: int, threads: int) -> dict[str, Any]:
     from datasets import Dataset
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
@@ -65,6 +96,9 @@ def run_trl(spec: RLTrainingJobSpec, steps: int, threads: int = 1) -> dict[str, 
     torch.set_num_threads(threads)
     torch.manual_seed(spec.trainer.seed)
     mbs, per_gen = optimizer_steps_per_rl_step(spec)
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if mbs % ranks:
+        raise ValueError(f"TRL on {ranks} processes needs miniBatchSize ({mbs}) to be a multiple of {ranks}")
     opt_steps = per_gen * spec.algorithm.ppo_epochs
     clock = _Clock()
     rewards: list[tuple[float, float]] = []  # (mean score, response tokens) per generation batch
@@ -125,7 +159,7 @@ def run_trl(spec: RLTrainingJobSpec, steps: int, threads: int = 1) -> dict[str, 
     algo = spec.algorithm
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as out:
         config = GRPOConfig(
-            output_dir=out, max_steps=steps * opt_steps, per_device_train_batch_size=mbs,
+            output_dir=out, max_steps=steps * opt_steps, per_device_train_batch_size=mbs // ranks,
             steps_per_generation=per_gen, num_iterations=algo.ppo_epochs, gradient_accumulation_steps=1,
             num_generations=spec.rollout.samples_per_prompt, max_completion_length=spec.data.max_response_length,
             temperature=spec.rollout.temperature, top_p=spec.rollout.top_p, top_k=0,
@@ -152,6 +186,10 @@ def run_trl(spec: RLTrainingJobSpec, steps: int, threads: int = 1) -> dict[str, 
         t0 = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - t0
+    if ranks > 1:  # each rank scored its own share of every generation batch, all of the same size
+        both = torch.tensor(rewards, dtype=torch.float64)
+        torch.distributed.all_reduce(both)
+        rewards = [(score / ranks, tokens) for score, tokens in both.tolist()]
     records = []
     for i, (b, e) in enumerate(zip(begins, ends, strict=False)):
         elapsed = e - b

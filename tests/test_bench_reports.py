@@ -36,6 +36,21 @@ def test_runtime_section_is_rendered_from_runtime_json(workload: runtime.Workloa
     assert (RESULTS / f"{workload.stem}.png").is_file()
 
 
+def test_every_system_but_the_naive_loop_runs_in_one_process_and_in_two_ranks(monkeypatch) -> None:
+    """The two-rank layout is a job that trains: the co-located group in two ranks of half the cores, replicated."""
+    from hybridflow.plan import step_plan, trainable_graph
+
+    monkeypatch.setenv("HYBRIDFLOW_TORCH_THREADS", "4")
+    assert runtime.layouts("hybridflow") == runtime.layouts("trl") == [(1, 4), (2, 2)]
+    assert runtime.layouts("naive_ray") == [(1, 1), (1, 4)]
+    job = runtime.with_layout(runtime.bench_job(3, "layout", runtime.WORKLOADS["tiny"]), 2, 2)
+    graph = trainable_graph(job.spec, "CPU")
+    actor = graph.get("actor_rollout")
+    group = next(g for g in graph.colocation_groups() if actor in g.nodes)
+    assert len(group.nodes) == 3 and group.parallelism == 2 and group.bundle["CPU"] == 2.0
+    assert not job.spec.trainer.training.shard and not step_plan(graph, job.spec).fused
+
+
 def test_weight_sync_section_is_rendered_from_weight_sync_json() -> None:
     results = json.loads((RESULTS / "weight_sync.json").read_text())
     assert weight_sync.render(results) == section(weight_sync.BEGIN, weight_sync.END)
