@@ -51,11 +51,11 @@ def rank() -> int:
 
 
 def most_passes(count: int, device: torch.device) -> int:
-    """The most passes any rank needs, and at least one (a collective): ranks of a sharded module run that many,
-    each pass's parameter gathers matched on every rank, a rank short of data running passes that count for
-    nothing."""
+    """The most passes any rank runs, this one running `count`; with other ranks at least one (a collective):
+    ranks of a sharded module run that many, each pass's parameter gathers matched on every rank, a rank short of
+    data running passes that count for nothing. A lone rank has nothing to match: `count`."""
     if world_size() == 1:
-        return max(count, 1)
+        return count
     t = torch.tensor([max(count, 1)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())

@@ -246,7 +246,8 @@ def in_micro_batches(batch: RolloutBatch, limits: Training, score: Callable[[Rol
     parameters with the other ranks': each rank runs `distributed.most_passes`, the extra ones on its first row,
     their scores dropped."""
     parts = batch.passes(None, limits.micro_batch_size, limits.micro_batch_tokens)
-    extra = 0 if sharded_on is None else distributed.most_passes(len(parts), sharded_on) - max(len(parts), 1)
+    runs = max(len(parts), 1)
+    extra = 0 if sharded_on is None else distributed.most_passes(runs, sharded_on) - runs
     if len(parts) <= 1:
         out = _per_row(score(batch.trimmed()), batch)
     else:
