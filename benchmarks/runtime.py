@@ -142,10 +142,8 @@ def with_layout(job: Any, ranks: int, threads: int) -> Any:
     from hybridflow.graph import builtin_graph
 
     graph = builtin_graph(job.spec, "CPU")
-    actor = graph.get("actor_rollout")
-    actor.resources["CPU"] = float(threads)
-    group = next(g for g in graph.colocation_groups() if actor in g.nodes)
-    for node in group.nodes:
+    graph.get("actor_rollout").resources["CPU"] = float(threads)
+    for node in graph.group_of("actor_rollout").nodes:
         node.parallelism = ranks
     job.spec.graph = graph.to_spec()
     if ranks > 1:

@@ -45,8 +45,7 @@ def test_every_system_but_the_naive_loop_runs_in_one_process_and_in_two_ranks(mo
     assert runtime.layouts("naive_ray") == [(1, 1), (1, 4)]
     job = runtime.with_layout(runtime.bench_job(3, "layout", runtime.WORKLOADS["tiny"]), 2, 2)
     graph = trainable_graph(job.spec, "CPU")
-    actor = graph.get("actor_rollout")
-    group = next(g for g in graph.colocation_groups() if actor in g.nodes)
+    group = graph.group_of("actor_rollout")
     assert len(group.nodes) == 3 and group.parallelism == 2 and group.bundle["CPU"] == 2.0
     assert not job.spec.trainer.training.shard and not step_plan(graph, job.spec).fused
 

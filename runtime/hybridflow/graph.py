@@ -172,6 +172,13 @@ class DataflowGraph:
             raise GraphError([f"cycle through {', '.join(stuck)} is not closed by a control edge"])
         return [self._nodes[n] for n in order]
 
+    def group_of(self, name: str) -> ColocationGroup:
+        """The co-location group of node `name` (KeyError for a name the graph lacks, as `get`)."""
+        for g in self.colocation_groups():
+            if any(n.name == name for n in g.nodes):
+                return g
+        raise KeyError(name)
+
     def colocation_groups(self) -> list[ColocationGroup]:
         """Union of co_locate edges; every node ends up in exactly one group (often alone)."""
         parent = {n: n for n in self._nodes}

@@ -171,8 +171,7 @@ def _engine_problems(graph: DataflowGraph, spec: RLTrainingJobSpec, actor: Node,
     """A tensor-parallel vLLM engine runs on the GPUs of the actor's one bundle, so the bundle must hold them
     (a graph on GPUs; the built-in graph sizes it so)."""
     tp = rollout_gpus(spec)
-    group = next((g for g in graph.colocation_groups() if any(n.name == actor.name for n in g.nodes)), None)
-    gpus = float(group.bundle.get("GPU", 0.0)) if group is not None else actor.gpus
+    gpus = float(graph.group_of(actor.name).bundle.get("GPU", 0.0))
     if tp == 1 or gpus <= 0 or gpus >= tp:
         return []
     return [f"{at.node(actor)}: one instance of {actor.name!r} holds {gpus:g} GPUs with the nodes it shares a "
@@ -271,10 +270,7 @@ class _Locator:
 
 
 def _group_of(graph: DataflowGraph, name: str) -> set[str]:
-    for g in graph.colocation_groups():
-        if any(n.name == name for n in g.nodes):
-            return {n.name for n in g.nodes}
-    return {name}
+    return {n.name for n in graph.group_of(name).nodes}
 
 
 # -- entry points ---------------------------------------------------------------------------------

@@ -582,9 +582,9 @@ class Trainer:
     def _parallelism_problem(self, node: str, parallelism: int) -> str | None:
         """The step plan's limits on a change from outside (the scheduler checks roles and resources):
         a fused step is one call on the actor's single host; every trained rank needs a sequence."""
-        group = next(({n.name for n in g.nodes} for g in self.graph.colocation_groups()
-                      if node in {n.name for n in g.nodes}), None)
-        if group is None:
+        try:
+            group = {n.name for n in self.graph.group_of(node).nodes}
+        except KeyError:
             return None  # unknown: the scheduler says so
         if self.plan.fused and self.plan.actor.name in group and parallelism != 1:
             return (f"{node} cannot change parallelism: this plan runs each step in one call on the actor's "
