@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from hybridflow import algos
-from hybridflow.api.spec import Training
+from hybridflow.api.spec import Rollout, Training
 from hybridflow.data.tiny import VOCAB, ensure_tiny_model
 from hybridflow.workers import distributed
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.modeling import in_micro_batches, load_causal_lm, quiet_transformers, response_log_probs
 from hybridflow.workers.optim import train_epochs
+from hybridflow.workers.rollout import TorchRollout
 from hybridflow.workers.training import RoleTraining, checkpoints_activations, full
 
 CPU = torch.device("cpu")
@@ -59,10 +60,10 @@ def padded_batch(seed: int = 0) -> RolloutBatch:
                                                            torch.randn(8, 8, generator=g)})
 
 
-def new_training(dtype: str = "float32", lr: float = LR, **options: Any) -> RoleTraining:
+def new_training(dtype: str = "float32", lr: float = LR, keep_copy: bool = True, **options: Any) -> RoleTraining:
     quiet_transformers()
     model = load_causal_lm(str(ensure_tiny_model()), dtype, CPU)
-    return RoleTraining(model, lr=lr, options=Training.model_validate(options), device=CPU)
+    return RoleTraining(model, lr=lr, options=Training.model_validate(options), device=CPU, keep_copy=keep_copy)
 
 
 def train(training: RoleTraining, batch: RolloutBatch, steps: int, micro: int | None = None,
@@ -108,6 +109,19 @@ def ranks_main(rank: int, world: int, port: int, out: str, from_one: str) -> Non
     lost.invalidate()
     lost.load(Path(out) / "from_two")
     res["w3_recovered"] = weights(lost)
+
+    released = new_training(keep_copy=False)  # nothing reads the copy between updates: only shards stay
+    counts = released.parameter_counts()
+    train(released, shard, 3)
+    res["released_copy_bytes"] = released.inference_copy_bytes()
+    res["released_counts_kept"] = released.parameter_counts() == counts
+    rollout = TorchRollout(released.model, None, Rollout(), PROMPT, RESPONSE, CPU,
+                           generation=load_causal_lm(str(ensure_tiny_model()), "float32", CPU))
+    res["released_sync_bytes"] = rollout.sync_weights(released.current, 3)
+    res["w3_generation"] = {n: p.detach().clone() for n, p in rollout.model.named_parameters()}
+    released.hold_copy()  # as before the ranks change
+    res["released_copy_bytes_held"] = released.inference_copy_bytes()
+    res["w3_held"] = weights(released)
 
     resumed = new_training()
     resumed.load(from_one)

@@ -13,6 +13,7 @@ from ray.cluster_utils import Cluster
 from hybridflow.api import parse_job
 from hybridflow.trainer import Trainer
 from tests.conftest import ROOT
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -122,5 +123,78 @@ def test_eventual_consistency_pipelines_across_raylets(cluster, example_doc, tmp
     edge = status["control_edges"]["critic->actor_rollout"]
     assert edge["syncs"] == 4 and edge["policy_version"] == 4 and edge["consistency"] == "eventual"
     assert edge["bytes_last"] > 0  # both ranks' generation copies filled
+    # generation runs on a copy of its own, so the actor's sharded ranks keep no full copy of the policy between
+    # updates: its weights reach generation straight from the shards
+    assert all(r["actor_model_bytes"] == 0 for r in recs), [r["actor_model_bytes"] for r in recs]
     reward = status["edges"]["actor_rollout->reward"]
     assert reward["batches"] == 4 * 32 // 4  # every chunk of every step scored once, pipelined or not
+
+
+def test_a_sharded_actor_without_its_full_copy_changes_its_ranks(cluster, example_doc, tmp_path) -> None:
+    """Eventual consistency: generation runs on a copy of its own, so the two sharded actor ranks keep no full
+    policy between updates (reading its weights is refused). Scaling to one rank (which trains its model
+    itself) and back at step boundaries gathers the shards first: the ranks then hold exactly the weights of the
+    checkpoint just written, and training goes on from them."""
+    import threading
+
+    import torch
+    from safetensors.torch import load_file
+
+    from hybridflow import checkpoint
+    from hybridflow.export import checkpoint_policy
+
+    doc = example_doc("tiny-ppo.yaml")
+    doc["metadata"]["name"] = "cluster-ppo-released"
+    doc["spec"]["graph"] = graph()
+    doc["spec"]["graph"]["edges"][-1]["consistency"] = "eventual"
+    doc["spec"]["data"]["batchSize"] = 16
+    doc["spec"]["algorithm"]["miniBatchSize"] = 16
+    root = tmp_path / "c"
+    doc["spec"]["trainer"].update(totalSteps=6, checkpoint={"every": 1, "path": str(root)},
+                                  export={"path": str(tmp_path / "policy")})
+    doc["spec"]["scheduling"] = {"backpressure": False, "placementTimeoutSeconds": 60}
+    job = parse_job(doc)
+    trainer = Trainer(job.model_dump(by_alias=True, mode="json"), str(tmp_path / "m.jsonl"))
+
+    def weights_of(host) -> dict:
+        return ray.get(host.export_state.remote(), timeout=120)["roles"]["actor_rollout"]["model"]
+
+    def scale_to(n: int):
+        def action() -> dict:
+            before = trainer.scheduler.hosts("actor_rollout")
+            if len(before) > 1:  # one rank trains its model itself
+                with pytest.raises(ray.exceptions.RayTaskError, match="inference copy is released"):
+                    weights_of(before[0])
+            step, saved = checkpoint_policy(checkpoint.step_dir(root, trainer.step), job)
+            trainer.scheduler.adjust_parallelism("actor_rollout", n, "test", source="Manual")
+            trainer._sync_new_hosts()
+            hosts = trainer.scheduler.hosts("actor_rollout")
+            gaps = [max(float((w[k].float() - saved[k].float()).abs().max()) for k in saved)
+                    for w in map(weights_of, hosts)]
+            return {"step": step, "ranks": len(hosts), "gaps": gaps}
+        return action
+
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.update(result=trainer.fit()), daemon=True)
+    try:
+        assert trainer.plan.lag == 1
+        thread.start()
+        wait_for(lambda: trainer.step >= 2 or not thread.is_alive(), 600, "two steps")
+        down = trainer.steering.at_boundary(scale_to(1), wait_s=600)
+        up = trainer.steering.at_boundary(scale_to(2), wait_s=600)
+        thread.join(timeout=600)
+    finally:
+        trainer.shutdown()
+    print(f"\nscaled down after step {down['step']}: gaps {down['gaps']}; up after step {up['step']}: {up['gaps']}")
+    assert down["ranks"] == 1 and down["gaps"] == [0.0]
+    assert up["ranks"] == 2 and up["gaps"] == [0.0, 0.0] and up["step"] > down["step"]
+    recs = outcome["result"]["records"]
+    assert len(recs) == 6 and all(math.isfinite(r["actor_loss"]) for r in recs)
+    # the policy exported at the end is the last checkpoint's, read from the shards of the two ranks
+    exported = load_file(tmp_path / "policy" / "model.safetensors")
+    _, last = checkpoint_policy(checkpoint.step_dir(root, 6), job)
+    assert exported and set(exported) <= set(last)  # a tied head is saved once, as its embedding
+    assert all(torch.equal(exported[k], last[k]) for k in exported)
+    # two ranks keep no full copy after an update; one rank trains its model itself
+    assert [r["actor_model_bytes"] == 0 for r in recs] == [r["step"] <= down["step"] or r["step"] > up["step"]
+                                                           for r in recs]

@@ -183,9 +183,9 @@ def test_footprint_counts_trainable_values_and_optimizer_bytes() -> None:
         opt.step()
     for opt, state in ((sgd, 0), (adam, 2 * 4 * 8 + 2 * 4)):  # two float32 moments per value, a step per tensor
         fp = training_footprint(model, opt)
-        assert (fp.trainable_params, fp.total_params, fp.optimizer_state_bytes) == (8, 11, state)
+        assert (fp.trainable_params, fp.total_params, fp.optimizer_state_bytes, fp.model_bytes) == (8, 11, state, 44)
     assert fp.record("actor") == {"actor_trainable_params": 8.0, "actor_total_params": 11.0,
-                                  "actor_optimizer_state_bytes": 72.0}
+                                  "actor_optimizer_state_bytes": 72.0, "actor_model_bytes": 44.0}
 
 
 def test_lora_trains_a_fraction_of_the_weights_with_a_fraction_of_the_optimizer_state(example_doc) -> None:

@@ -17,6 +17,7 @@ from hybridflow.plan import (
     STEP_OF_ROLE,
     STEPS,
     old_log_probs_from_update,
+    policy_copy_read_between_updates,
     resource_plan,
     step_plan,
     trainable_graph,
@@ -156,6 +157,18 @@ def test_old_log_probs_get_a_pass_of_their_own_unless_the_update_is_one_on_polic
     if not lag:
         plan = step_plan(trainable_graph(spec, "CPU"), spec)
         assert ("old_log_probs" in plan.colocated) is separate_pass
+
+
+@pytest.mark.parametrize(("job", "algorithm", "lag", "read"), [
+    ("tiny-grpo.yaml", {}, 0, True),  # torch generation runs on the copy
+    ("tiny-grpo.yaml", {}, 1, False),  # generation and the old log-probs run on a copy of their own
+    ("tiny-grpo-lora.yaml", {}, 1, True),  # the reference is the copy's base
+    ("grpo-job.yaml", {}, 0, True),  # vLLM generates; four minibatches: the old log-probs are the copy's
+    ("grpo-job.yaml", {"miniBatchSize": 1024}, 0, False),  # one step: the update scores them itself
+])
+def test_the_actor_keeps_its_full_copy_only_where_something_reads_it_between_updates(
+        example_doc, job: str, algorithm: dict, lag: int, read: bool) -> None:
+    assert policy_copy_read_between_updates(spec_of(example_doc, job, **algorithm), lag) is read
 
 
 def test_ppo_with_its_own_critic_runs_a_values_phase(example_doc) -> None:

@@ -43,6 +43,7 @@ class TinyHost:
         self.members = members
         self.rank = -1
         self.die_in_setup = False
+        self.held: float | None = None
 
     def node_info(self) -> dict[str, Any]:
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
@@ -62,6 +63,15 @@ class TinyHost:
         distributed.setup(master_addr, master_port, rank, world_size, backend, timeout_s=COLLECTIVE_S,
                           rendezvous_s=RENDEZVOUS_S)
         self.rank = rank
+
+    def hold_copies(self) -> bool:
+        """A collective of the group as it stands, as a sharded role's gather is: it returns only when every
+        live rank is asked."""
+        self.held = self.all_reduce_rank()
+        return True
+
+    def last_hold(self) -> float | None:
+        return self.held
 
     def die_in_next_setup(self) -> None:
         self.die_in_setup = True
@@ -332,9 +342,12 @@ class TestCluster:
         assert "Backpressure: critic parallelism 4 -> 3 (test shrink)" in caplog.text
         assert s.get_status()["nodes"]["critic"]["parallelism"] == 3
         assert ray.get([h.all_reduce_rank.remote() for h in s.hosts("critic")]) == [6.0] * 3
+        # the four ranks held their copies together before one of them went
+        assert ray.get([h.last_hold.remote() for h in s.hosts("critic")]) == [10.0] * 3
         # the idle bundle stayed reserved, so growing back always fits
         assert s.adjust_parallelism("critic", 4, "test grow") == 4
         assert ray.get([h.all_reduce_rank.remote() for h in s.hosts("critic")]) == [10.0] * 4
+        assert ray.get([h.last_hold.remote() for h in s.hosts("critic")]) == [6.0] * 3 + [None]
         t0 = time.monotonic()
         assert s.adjust_parallelism("critic", 5, "test no room") == 4
         assert time.monotonic() - t0 < 5

@@ -174,6 +174,21 @@ def test_the_inference_copy_gives_its_memory_to_the_update_and_holds_the_trained
     assert ranks["copy_bytes_after"] == ranks["copy_bytes_before"]
 
 
+def test_a_copy_nothing_reads_stays_released_and_generation_gets_the_weights_from_the_shards(
+        runs: dict[str, Any]) -> None:
+    """keep_copy False (generation on a module of its own): after the update a rank holds its shards alone; the
+    generation module, synced from them weight by weight, holds the update's weights, and so does the copy once
+    gathered (as the ranks do before their number changes)."""
+    ranks = runs["ranks"]
+    print(f"\ninference copy per rank after the update: {ranks['released_copy_bytes']} bytes released, "
+          f"{ranks['released_copy_bytes_held']} gathered; {ranks['released_sync_bytes']} bytes synced from shards")
+    assert ranks["released_copy_bytes"] == 0 and ranks["released_counts_kept"]
+    assert ranks["released_sync_bytes"] >= ranks["copy_bytes_before"]
+    assert max_diff(ranks["w3_generation"], runs["w3"]) < TOL
+    assert ranks["released_copy_bytes_held"] == ranks["copy_bytes_before"]
+    assert max_diff(ranks["w3_held"], runs["w3"]) < TOL
+
+
 def test_a_rank_lost_in_an_update_recovers_from_the_checkpoint(runs: dict[str, Any]) -> None:
     """An update that never finished leaves the copy released; forming the ranks again and loading the
     checkpoint gives back exactly its weights."""

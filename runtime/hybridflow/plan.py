@@ -107,6 +107,18 @@ def old_log_probs_from_update(spec: RLTrainingJobSpec, lag: int) -> bool:
     return lag == 0 and spec.algorithm.ppo_epochs == 1 and optimizer_steps(spec) == 1 and not kl_in_reward
 
 
+def policy_copy_read_between_updates(spec: RLTrainingJobSpec, lag: int) -> bool:
+    """Whether anything reads the actor's full inference copy between updates: torch generation on lag 0 runs on
+    it; with lag 1 it runs on a copy of its own, which also scores the old log-probs; vLLM generates in its own
+    engine, so only a pass of old log-probs (see old_log_probs_from_update) or a reference that is the LoRA
+    policy's base reads it. Where nothing does, a sharded actor keeps only its shards (RoleTraining.keep_copy)."""
+    if reference_in_policy(spec):
+        return True
+    if spec.rollout.engine == "vllm":
+        return not old_log_probs_from_update(spec, lag)
+    return lag == 0
+
+
 # -- the rules ------------------------------------------------------------------------------------
 
 

@@ -151,7 +151,7 @@ def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, 
     return out
 
 
-FOOTPRINT_KEYS = ("actor_trainable_params", "actor_total_params", "actor_optimizer_state_bytes")
+FOOTPRINT_KEYS = ("actor_trainable_params", "actor_total_params", "actor_optimizer_state_bytes", "actor_model_bytes")
 """The policy's training footprint per worker (workers.footprint), measured after each update."""
 
 

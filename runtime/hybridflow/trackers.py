@@ -45,6 +45,7 @@ NAMES: dict[str, str] = {
     "actor_trainable_params": "actor/trainable_params",
     "actor_total_params": "actor/total_params",
     "actor_optimizer_state_bytes": "actor/optimizer_state_bytes",
+    "actor_model_bytes": "actor/model_bytes",
     "critic_loss": "critic/value_loss",
     "critic_grad_norm": "critic/grad_norm",
     "value_mean": "critic/value_mean",

@@ -305,13 +305,15 @@ class Trainer:
                 "recoveries": self.recoveries, "last_checkpoint": self.last_checkpoint, "export": exported}
 
     def export_final(self) -> str | None:
-        """spec.trainer.export: the final policy as a Hugging Face folder (export.py), from rank 0's weights."""
+        """spec.trainer.export: the final policy as a Hugging Face folder (export.py), from rank 0's weights
+        (gathered from the shards first where the ranks keep no full copy)."""
         ex = self.spec.trainer.export
         if not ex.path:
             return None
         quiet_transformers()
-        host = self.scheduler.hosts(self.plan.actor.name)[0]
-        weights: Any = ray.get(host.policy_weights.remote())  # name -> tensor
+        hosts = self.scheduler.hosts(self.plan.actor.name)
+        ray.get([h.hold_copies.remote() for h in hosts])
+        weights: Any = ray.get(hosts[0].policy_weights.remote())  # name -> tensor
         done = export_policy(self.job, weights, self.step, ex.path, ex.adapters, overwrite=True, names=SPEC)
         log.info("exported the policy at step %d to %s", self.step, done.path)
         return str(done.path)

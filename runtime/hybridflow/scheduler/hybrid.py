@@ -62,7 +62,9 @@ class Host(Protocol):
     """What the scheduler calls on a host class (the plain class, before ray.remote wraps it).
 
     `setup_distributed` may be called again on a live host (after a restart of a peer or a change of
-    world size): it must tear down an existing default process group before joining the new one.
+    world size): it must tear down an existing default process group before joining the new one. Before a
+    live data-parallel group changes size, `hold_copies` runs on all its hosts: whatever a rank keeps only in
+    shards of the current group must be gathered while that group still exists.
     """
 
     def node_info(self) -> dict[str, Any]: ...  # node_id, ip, pid, gpu_ids
@@ -70,6 +72,7 @@ class Host(Protocol):
     def memory(self) -> dict[str, Any]: ...  # {"kind": "gpu" or "rss", "bytes": n}; only sample_memory asks
     def setup_distributed(self, master_addr: str, master_port: int, rank: int, world_size: int,
                           backend: str) -> None: ...
+    def hold_copies(self) -> bool: ...
 
 
 HostKwargs = Callable[[ColocationGroup, int], dict[str, Any]]
@@ -476,6 +479,8 @@ class HybridScheduler:
             return old
         partners = [n for n in g.plan.node_names if n != node_name]
         with_ = f"; with co-located {', '.join(partners)}" if partners else ""
+        if g.plan.data_parallel:
+            ray.get([h.hold_copies.remote() for h in g.hosts], timeout=self.call_timeout_s)
         if target < old:
             self._lower(g, target)
         elif not self._raise(g, target, node_name, reason, source):

@@ -10,7 +10,7 @@ import torch
 
 from hybridflow import algos
 from hybridflow.api.spec import RLTrainingJobSpec
-from hybridflow.plan import SP_FIELDS, old_log_probs_from_update, optimizer_steps
+from hybridflow.plan import SP_FIELDS, old_log_probs_from_update, optimizer_steps, policy_copy_read_between_updates
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
 from hybridflow.workers.decoding import Sampling
 from hybridflow.workers.footprint import training_footprint
@@ -79,7 +79,7 @@ class ActorRolloutWorker:
         self.tokenizer = load_tokenizer(self.path)
         self.model = load_policy(spec.model.policy, device)
         self.training = RoleTraining(self.model, lr=spec.trainer.actor_lr, options=spec.trainer.training,
-                                     device=device)
+                                     device=device, keep_copy=policy_copy_read_between_updates(spec, lag))
         self.rollout = make_rollout(
             spec.rollout.engine, self.model, self.path, self.tokenizer, spec.rollout,
             spec.data.max_prompt_length, spec.data.max_response_length, device, spec.model.policy.dtype, seed,
@@ -184,7 +184,8 @@ class ActorRolloutWorker:
         self.version += 1
         out["actor_grad_norm"] = out.pop("grad_norm")
         out["policy_lag"] = float(lag)
-        return out | training_footprint(self.model, self.training.layout.optimizer).record("actor")
+        footprint = training_footprint(self.model, self.training.layout.optimizer, self.training.parameter_counts())
+        return out | footprint.record("actor")
 
     @torch.no_grad()
     def _decouple(self, batch: RolloutBatch) -> None:
@@ -203,12 +204,16 @@ class ActorRolloutWorker:
             proximal.cpu(), behaviour, self.spec.algorithm.behaviour_weight_cap)
 
     def sync_rollout(self) -> tuple[int, int]:
-        """The trained policy into the rollout engine: (the version it now holds, the bytes copied)."""
-        moved = self.rollout.sync_weights(self.model, self.version)
+        """The trained policy into the rollout engine: (the version it now holds, the bytes copied). From the
+        shards when the copy stays released: each weight is gathered, copied out and dropped in turn."""
+        moved = self.rollout.sync_weights(self.training.current, self.version)
         return self.version, moved
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The policy's trained weights: its adapters under LoRA, else every weight."""
+        """The policy's trained weights: its adapters under LoRA, else every weight. A released copy must be
+        gathered first (RoleTraining.hold_copy, on every rank), which the scheduler asks before ranks change."""
+        if self.training.current is not self.model:
+            raise RuntimeError("the actor's inference copy is released: gather it (hold_copy) on every rank first")
         return policy_weights(self.model)
 
     def state_dict(self, with_model: bool = True) -> dict[str, Any]:

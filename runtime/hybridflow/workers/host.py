@@ -99,6 +99,13 @@ class WorkerHost:
             worker.training.invalidate()
         return chosen
 
+    def hold_copies(self) -> bool:
+        """Before this group's ranks change: trained roles whose full copy is released gather it from their shards
+        (a collective of the live ranks), as the layout built for the new ranks starts from it."""
+        for worker in self._trainable().values():
+            worker.training.hold_copy()
+        return True
+
     def disable_sequence_parallel(self) -> bool:
         """The trained roles here fall back to whole sequences (see ulysses.SequenceParallel); whether SP was on."""
         was = [w.sp.disable() for r, w in self.workers.items() if r in ("actor_rollout", "critic")]

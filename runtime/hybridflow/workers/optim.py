@@ -37,7 +37,7 @@ def train_epochs(training: RoleTraining, batch: RolloutBatch, loss_fn: Minibatch
     Every rank takes the same number of steps, so collectives always match. Returns each metric's mean over the
     non-empty minibatches plus `grad_norm`, the mean pre-clip gradient norm over all steps, averaged over ranks.
     The inference copy is released for the steps (RoleTraining.release) and holds the trained weights again
-    when this returns.
+    when this returns, where the role keeps it (RoleTraining.finish_update).
     """
     limits = limits or Training()
     training.release()
@@ -66,7 +66,7 @@ def train_epochs(training: RoleTraining, batch: RolloutBatch, loss_fn: Minibatch
                     sums[k] = sums.get(k, 0.0) + w * v
             count += int(len(idx) > 0)
             grad_norm += training.step(max_grad_norm)
-    training.sync()
+    training.finish_update()
     out = {k: v / max(count, 1) for k, v in sums.items()}
     out["grad_norm"] = grad_norm / max(1, epochs * steps_per_epoch)
     return distributed.average_scalars(out, device)

@@ -145,18 +145,24 @@ class Bucket:
 
 
 def stream_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   tp_rank: int = 0, tp_size: int = 1, device: torch.device | None = None) -> Iterator[Bucket]:
-    """Buckets of `plan_buckets`, in order; each weight gathered, cut and copied one at a time.
+                   tp_rank: int = 0, tp_size: int = 1, device: torch.device | None = None,
+                   dtype: torch.dtype | None = None) -> Iterator[Bucket]:
+    """Buckets of `plan_buckets`, in order; each weight gathered, cut and copied one at a time, cast to `dtype`
+    (the generation side's: fp32 shards bound for a bf16 engine travel at half the bytes).
 
     Peak extra memory: the bucket being filled plus one gathered parameter, which is dropped as soon as its
     slice is copied out. With FSDP2 every training rank must iterate in step (each gather is a collective).
     """
-    for names in plan_buckets(weight_infos(state), bucket_bytes, tp_size):
+    infos = weight_infos(state)
+    if dtype is not None:
+        infos = [WeightInfo(w.name, w.shape, dtype if w.dtype.is_floating_point else w.dtype) for w in infos]
+    for names in plan_buckets(infos, bucket_bytes, tp_size):
         tensors = []
         for name in names:
             whole = full(state[name].detach())
             part = tp_slice(name, whole, tp_rank, tp_size)
-            tensors.append(part.to(device=device or part.device, copy=True).contiguous())
+            cast = dtype if dtype is not None and part.is_floating_point() else part.dtype
+            tensors.append(part.to(device=device or part.device, dtype=cast, copy=True).contiguous())
             del whole, part
         yield Bucket(names, tensors)
 

@@ -161,7 +161,8 @@ class TorchRollout:
         """Nothing to copy when generation runs on the trained module; else the buckets, copied in place."""
         moved = 0
         if model is not self.model:
-            for bucket in stream_buckets(generation_state(model), self.bucket_bytes, device=self.device):
+            dtype = next(self.model.parameters()).dtype
+            for bucket in stream_buckets(generation_state(model), self.bucket_bytes, device=self.device, dtype=dtype):
                 copy_into(self.model, zip(bucket.names, bucket.tensors, strict=True))
                 moved += bucket.nbytes
         self.version = version
@@ -193,6 +194,7 @@ class VllmRollout:
             distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
         )
         self.max_response_length = max_response_length
+        self.dtype: torch.dtype = getattr(torch, dtype)
         self.params = self._params(Sampling.of(cfg), None)
         self.bucket_bytes = bucket_bytes
         self.version = 0
@@ -251,7 +253,8 @@ class VllmRollout:
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         moved = 0
-        for bucket in stream_buckets(generation_state(model), self.bucket_bytes, device=torch.device("cpu")):
+        for bucket in stream_buckets(generation_state(model), self.bucket_bytes, device=torch.device("cpu"),
+                                     dtype=self.dtype):
             self.llm.collective_rpc("load_bucket", args=pack(bucket))
             moved += bucket.nbytes
         if self.asleep:

@@ -11,7 +11,10 @@
 Unsharded ranks all-reduce their gradients (distributed.average_gradients). The role's `model` is a full
 copy for generation and log-probs in every layout. Under the sharded layout an update reads only the shards, so
 the copy's trainable weights give their memory back for it (`release`) and `sync()` gathers them again after
-it: a rank holds the whole policy only while generation and scoring need it.
+it: a rank holds the whole policy only while generation and scoring need it. A role that reads nothing from the
+copy between updates (`keep_copy` False: generation runs elsewhere and nothing is scored by it) leaves it
+released after the first update; its weights are then read from the shards (`current`), and `hold_copy`
+gathers them before the ranks change.
 
 The layout is built lazily, on the first update after the ranks changed (`invalidate`, called when the
 process group is rebuilt). A rebuild starts from the full copy, so rescaling a group resets Adam's moments
@@ -140,8 +143,11 @@ class Layout:
 class RoleTraining:
     """The optimizer side of a role whose `model` is its full inference copy."""
 
-    def __init__(self, model: torch.nn.Module, *, lr: float, options: Training, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, *, lr: float, options: Training, device: torch.device,
+                 keep_copy: bool = True) -> None:
         self.model, self.lr, self.options, self.device = model, lr, options, device
+        self.keep_copy = keep_copy
+        """Whether the copy gets the trained weights back after each update (something reads it in between)."""
         self._layout: Layout | None = None
         self._checkpointing = False
         self._released: dict[str, torch.Size] = {}
@@ -230,6 +236,32 @@ class RoleTraining:
         for name in lay.names:
             self._released[name] = own[name].shape
             own[name].data = own[name].new_empty(0)
+
+    def finish_update(self) -> None:
+        """After an update's last step: the copy holds the trained weights again, unless nobody reads it."""
+        if self.keep_copy:
+            self.sync()
+
+    def hold_copy(self) -> None:
+        """The copy holds the trained weights (a collective while it is released): asked before the ranks
+        change, since a new layout is built from the copy."""
+        if self._released:
+            self.sync()
+
+    @property
+    def current(self) -> torch.nn.Module:
+        """The module whose state dict holds the trained weights under the copy's names: the copy, or while it
+        is released the sharded module (DTensors: every rank must read them in step)."""
+        return self.layout.module if self._released else self.model
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trainable, all) parameters of the model, those of a released copy counted at their full shapes."""
+        trainable = total = 0
+        for name, p in self.model.named_parameters():
+            n = self._released[name].numel() if name in self._released else p.numel()
+            total += n
+            trainable += n if p.requires_grad else 0
+        return trainable, total
 
     def _materialize(self) -> None:
         own = dict(self.model.named_parameters())
