@@ -9,18 +9,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from hybridflow import algos
+from hybridflow.api import parse_job
 from hybridflow.api.spec import Rollout, Training
 from hybridflow.data.tiny import VOCAB, ensure_tiny_model
 from hybridflow.workers import distributed
 from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.modeling import in_micro_batches, load_causal_lm, quiet_transformers, response_log_probs
 from hybridflow.workers.optim import train_epochs
 from hybridflow.workers.rollout import TorchRollout
 from hybridflow.workers.training import RoleTraining, checkpoints_activations, full
 
 CPU = torch.device("cpu")
+TINY_PPO = Path(__file__).resolve().parents[1] / "examples" / "tiny-ppo.yaml"
 PROMPT, RESPONSE = 4, 6
 LR = 1e-4
 PORT_TRIES = 4
@@ -122,6 +126,21 @@ def ranks_main(rank: int, world: int, port: int, out: str, from_one: str) -> Non
     released.hold_copy()  # as before the ranks change
     res["released_copy_bytes_held"] = released.inference_copy_bytes()
     res["w3_held"] = weights(released)
+
+    critic = CriticWorker(parse_job(yaml.safe_load(TINY_PPO.read_text())).spec, CPU, own_phase=True)
+    scored = make_batch(8, seed=4).shard(world)[rank]
+    g = torch.Generator().manual_seed(rank)
+    scored.tensors["values"] = torch.zeros(scored.response_mask.shape)
+    scored.tensors["returns"] = torch.randn(scored.response_mask.shape, generator=g)
+    critic.update(scored)  # the value head moves off zero; the copy stays released
+    res["critic_copy_bytes"] = critic.training.inference_copy_bytes()
+    from_shards = critic.values(scored).tensors["values"].clone()
+    critic.training.hold_copy()
+    res["critic_copy_bytes_held"] = critic.training.inference_copy_bytes()
+    from_copy = critic.values(scored).tensors["values"]
+    gap = torch.tensor([float((from_shards - from_copy).abs().max()), float(from_copy.abs().max())])
+    torch.distributed.all_reduce(gap, op=torch.distributed.ReduceOp.MAX)
+    res["critic_values_gap"], res["critic_values_scale"] = float(gap[0]), float(gap[1])
 
     resumed = new_training()
     resumed.load(from_one)

@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 
 import pytest
 import ray
+import torch
 from ray.cluster_utils import Cluster
+from safetensors.torch import load_file
 
+from hybridflow import checkpoint
 from hybridflow.api import parse_job
+from hybridflow.export import checkpoint_policy
 from hybridflow.trainer import Trainer
 from tests.conftest import ROOT
 from tests.helpers import wait_for
@@ -48,6 +53,17 @@ def graph() -> dict:
             {"src": "critic", "dst": "actor_rollout", "dataType": "updated_policy", "control": True},
         ],
     }
+
+
+def eventual_ppo(example_doc, name: str, batch: int, minibatch: int) -> dict:
+    """The tiny PPO job on `graph()` with its control edge eventual."""
+    doc = example_doc("tiny-ppo.yaml")
+    doc["metadata"]["name"] = name
+    doc["spec"]["graph"] = graph()
+    doc["spec"]["graph"]["edges"][-1]["consistency"] = "eventual"
+    doc["spec"]["data"]["batchSize"] = batch
+    doc["spec"]["algorithm"]["miniBatchSize"] = minibatch
+    return doc
 
 
 def test_plan_runs_across_raylets_with_backpressure(cluster, example_doc, tmp_path) -> None:
@@ -102,12 +118,7 @@ def test_eventual_consistency_pipelines_across_raylets(cluster, example_doc, tmp
     """The same graph with its control edge eventual: two actor ranks generate the next step's chunks while
     they and the critic ranks update; the batches come back in order, go to the remote reward and the critic's
     values phase, and the next update takes them one version behind."""
-    doc = example_doc("tiny-ppo.yaml")
-    doc["metadata"]["name"] = "cluster-ppo-eventual"
-    doc["spec"]["graph"] = graph()
-    doc["spec"]["graph"]["edges"][-1]["consistency"] = "eventual"
-    doc["spec"]["data"]["batchSize"] = 32
-    doc["spec"]["algorithm"]["miniBatchSize"] = 16
+    doc = eventual_ppo(example_doc, "cluster-ppo-eventual", batch=32, minibatch=16)
     doc["spec"]["trainer"].update(totalSteps=4, checkpoint={"every": 0, "path": str(tmp_path / "c")})
     doc["spec"]["scheduling"] = {"microBatchSize": 4, "backpressure": False, "placementTimeoutSeconds": 60}
     trainer = Trainer(parse_job(doc).model_dump(by_alias=True, mode="json"), str(tmp_path / "m.jsonl"))
@@ -135,20 +146,7 @@ def test_a_sharded_actor_without_its_full_copy_changes_its_ranks(cluster, exampl
     policy between updates (reading its weights is refused). Scaling to one rank (which trains its model
     itself) and back at step boundaries gathers the shards first: the ranks then hold exactly the weights of the
     checkpoint just written, and training goes on from them."""
-    import threading
-
-    import torch
-    from safetensors.torch import load_file
-
-    from hybridflow import checkpoint
-    from hybridflow.export import checkpoint_policy
-
-    doc = example_doc("tiny-ppo.yaml")
-    doc["metadata"]["name"] = "cluster-ppo-released"
-    doc["spec"]["graph"] = graph()
-    doc["spec"]["graph"]["edges"][-1]["consistency"] = "eventual"
-    doc["spec"]["data"]["batchSize"] = 16
-    doc["spec"]["algorithm"]["miniBatchSize"] = 16
+    doc = eventual_ppo(example_doc, "cluster-ppo-released", batch=16, minibatch=16)
     root = tmp_path / "c"
     doc["spec"]["trainer"].update(totalSteps=6, checkpoint={"every": 1, "path": str(root)},
                                   export={"path": str(tmp_path / "policy")})
@@ -195,6 +193,8 @@ def test_a_sharded_actor_without_its_full_copy_changes_its_ranks(cluster, exampl
     _, last = checkpoint_policy(checkpoint.step_dir(root, 6), job)
     assert exported and set(exported) <= set(last)  # a tied head is saved once, as its embedding
     assert all(torch.equal(exported[k], last[k]) for k in exported)
-    # two ranks keep no full copy after an update; one rank trains its model itself
+    # two ranks keep no full copy after an update; one rank trains its model itself; the two critic ranks score
+    # their values in a phase of their own, with their shards
+    assert all(r["critic_model_bytes"] == 0 for r in recs)
     assert [r["actor_model_bytes"] == 0 for r in recs] == [r["step"] <= down["step"] or r["step"] > up["step"]
                                                            for r in recs]

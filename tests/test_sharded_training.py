@@ -189,6 +189,19 @@ def test_a_copy_nothing_reads_stays_released_and_generation_gets_the_weights_fro
     assert max_diff(ranks["w3_held"], runs["w3"]) < TOL
 
 
+def test_a_critic_scoring_in_a_phase_of_its_own_keeps_only_its_shards_and_scores_as_its_full_copy(
+        runs: dict[str, Any]) -> None:
+    """Two critic ranks, each scoring its shard in one call: after an update they hold no full copy, and the
+    values scored by the shards equal those of the copy gathered from them."""
+    ranks = runs["ranks"]
+    print(f"\ncritic copy per rank: {ranks['critic_copy_bytes']} bytes after an update, "
+          f"{ranks['critic_copy_bytes_held']} gathered; values gap {ranks['critic_values_gap']:.3g} "
+          f"at scale {ranks['critic_values_scale']:.3g}")
+    assert ranks["critic_copy_bytes"] == 0 < ranks["critic_copy_bytes_held"]
+    assert ranks["critic_values_scale"] > 1e-3  # the head moved: there is something to compare
+    assert ranks["critic_values_gap"] < 1e-5
+
+
 def test_a_rank_lost_in_an_update_recovers_from_the_checkpoint(runs: dict[str, Any]) -> None:
     """An update that never finished leaves the copy released; forming the ranks again and loading the
     checkpoint gives back exactly its weights."""

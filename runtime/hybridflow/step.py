@@ -151,8 +151,9 @@ def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, 
     return out
 
 
-FOOTPRINT_KEYS = ("actor_trainable_params", "actor_total_params", "actor_optimizer_state_bytes", "actor_model_bytes")
-"""The policy's training footprint per worker (workers.footprint), measured after each update."""
+FOOTPRINT_KEYS = ("actor_trainable_params", "actor_total_params", "actor_optimizer_state_bytes", "actor_model_bytes",
+                  "critic_model_bytes")
+"""The training footprint per worker (workers.footprint; the critic's copy), measured after each update."""
 
 
 def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> dict[str, Any]:

@@ -48,6 +48,7 @@ NAMES: dict[str, str] = {
     "actor_model_bytes": "actor/model_bytes",
     "critic_loss": "critic/value_loss",
     "critic_grad_norm": "critic/grad_norm",
+    "critic_model_bytes": "critic/model_bytes",
     "value_mean": "critic/value_mean",
     "advantage_abs_mean": "critic/advantage_abs_mean",
     "tokens_per_s": "perf/tokens_per_s",

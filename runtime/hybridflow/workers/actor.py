@@ -212,7 +212,7 @@ class ActorRolloutWorker:
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's trained weights: its adapters under LoRA, else every weight. A released copy must be
         gathered first (RoleTraining.hold_copy, on every rank), which the scheduler asks before ranks change."""
-        if self.training.current is not self.model:
+        if self.training.released:
             raise RuntimeError("the actor's inference copy is released: gather it (hold_copy) on every rank first")
         return policy_weights(self.model)
 

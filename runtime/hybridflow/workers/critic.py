@@ -42,30 +42,39 @@ class ValueModel(torch.nn.Module):
 
 
 class CriticWorker:
-    """One data-parallel rank; its weights and optimizer are laid out over the ranks by RoleTraining."""
+    """One data-parallel rank; its weights and optimizer are laid out over the ranks by RoleTraining.
 
-    def __init__(self, spec: RLTrainingJobSpec, device: torch.device, seed: int = 0) -> None:
+    `own_phase`: its values run in a phase of their own, each rank scoring its shard of the batch in one call
+    (a critic outside the actor's processes), so a sharded critic scores them with the shards and keeps no full
+    copy between updates. A critic in the actor's process scores chunks as they are generated, one host at a
+    time, and keeps its copy for them.
+    """
+
+    def __init__(self, spec: RLTrainingJobSpec, device: torch.device, seed: int = 0, own_phase: bool = False) -> None:
         self.spec, self.device = spec, device
         path = spec.model.critic.path or spec.model.policy.path
         field = "spec.model.critic.path" if spec.model.critic.path else "spec.model.policy.path"
         self.model = ValueModel(check_model_dir(path, field), spec.model.critic.dtype).to(device)
         self.training = RoleTraining(self.model, lr=spec.trainer.critic_lr, options=spec.trainer.training,
-                                     device=device)
+                                     device=device, keep_copy=not own_phase)
         self.shuffle = torch.Generator().manual_seed(seed + 7919)
         self.sp = SequenceParallel.for_model(spec.model.critic.sequence_parallel, self.model.backbone.config,
                                              SP_FIELDS["critic"])
 
-    def _values(self, batch: RolloutBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
-        """Values of the states that precede each response token: positions P-1 .. P+R-2."""
-        module = self.model if model is None else model
+    def _values(self, batch: RolloutBatch, module: torch.nn.Module | None = None) -> torch.Tensor:
+        """Values of the states that precede each response token: positions P-1 .. P+R-2, by `module` (default:
+        the copy)."""
+        module = self.model if module is None else module
         v = forward_tokens(module, self.sp, batch.input_ids.to(self.device), batch.attention_mask.to(self.device))
         return v[:, batch.prompt_length - 1:-1]
 
     @torch.no_grad()
     def values(self, batch: RolloutBatch) -> RolloutBatch:
         t0 = time.perf_counter()
-        self.model.eval()
-        values = in_micro_batches(batch, self.spec.trainer.training, self._values)
+        module = self.training.current
+        module.eval()
+        values = in_micro_batches(batch, self.spec.trainer.training, lambda mb: self._values(mb, module),
+                                  sharded_on=self.device if self.training.released else None)
         batch.tensors["values"] = values.cpu()
         batch.add_timing("values", time.perf_counter() - t0)
         return batch
@@ -88,10 +97,13 @@ class CriticWorker:
                            max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device,
                            limits=self.spec.trainer.training, agg=algo.loss_agg)
         out["critic_grad_norm"] = out.pop("grad_norm")
+        out["critic_model_bytes"] = float(self.training.inference_copy_bytes())
         return out
 
     def state_dict(self, with_model: bool = True) -> dict[str, Any]:
         """Sampling order and (`with_model`) the weights; the optimizer's state is `training`'s."""
+        if with_model and self.training.released:
+            raise RuntimeError("the critic's inference copy is released: gather it (hold_copy) on every rank first")
         return ({"model": self.model.state_dict()} if with_model else {}) | {"shuffle": self.shuffle.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -63,7 +63,8 @@ class WorkerHost:
                 policy = self.workers.get("actor_rollout") if reference_in_policy(self.spec) else None
                 self.workers[role] = ReferenceWorker(self.spec, self.device, policy)
             elif role == "critic":
-                self.workers[role] = CriticWorker(self.spec, self.device, self.seed)
+                self.workers[role] = CriticWorker(self.spec, self.device, self.seed,
+                                                  own_phase="actor_rollout" not in self.roles.values())
             elif role == "reward":
                 self.workers[role] = RewardWorker(self.spec, self.device)
 

@@ -245,13 +245,19 @@ class RoleTraining:
     def hold_copy(self) -> None:
         """The copy holds the trained weights (a collective while it is released): asked before the ranks
         change, since a new layout is built from the copy."""
-        if self._released:
+        if self.released:
             self.sync()
+
+    @property
+    def released(self) -> bool:
+        """Whether the copy's trained weights have given their memory back (in an update, or after it where
+        the copy is not kept)."""
+        return bool(self._released)
 
     @property
     def current(self) -> torch.nn.Module:
         """The module whose state dict holds the trained weights under the copy's names: the copy, or while it
-        is released the sharded module (DTensors: every rank must read them in step)."""
+        is released the sharded module (DTensors: every rank must read them, and run it, in step)."""
         return self.layout.module if self._released else self.model
 
     def parameter_counts(self) -> tuple[int, int]:
