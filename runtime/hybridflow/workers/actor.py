@@ -211,10 +211,8 @@ class ActorRolloutWorker:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's trained weights: its adapters under LoRA, else every weight. A released copy must be
-        gathered first (RoleTraining.hold_copy, on every rank), which the scheduler asks before ranks change."""
-        if self.training.released:
-            raise RuntimeError("the actor's inference copy is released: gather it (hold_copy) on every rank first")
-        return policy_weights(self.model)
+        gathered first (RoleTraining.held_copy), which the scheduler asks before ranks change."""
+        return policy_weights(self.training.held_copy())
 
     def state_dict(self, with_model: bool = True) -> dict[str, Any]:
         """Version, sampling order and (`with_model`) the weights; the optimizer's state is `training`'s."""

@@ -102,9 +102,8 @@ class CriticWorker:
 
     def state_dict(self, with_model: bool = True) -> dict[str, Any]:
         """Sampling order and (`with_model`) the weights; the optimizer's state is `training`'s."""
-        if with_model and self.training.released:
-            raise RuntimeError("the critic's inference copy is released: gather it (hold_copy) on every rank first")
-        return ({"model": self.model.state_dict()} if with_model else {}) | {"shuffle": self.shuffle.get_state()}
+        weights = {"model": self.training.held_copy().state_dict()} if with_model else {}
+        return weights | {"shuffle": self.shuffle.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Weights given here restart the optimizer from them (see RoleTraining.invalidate)."""

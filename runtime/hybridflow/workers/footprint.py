@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hybridflow.workers.training import held_bytes
+from hybridflow.workers.training import held_bytes, parameter_counts
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,6 @@ def training_footprint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """Counts parameters that require grad, all parameters, and the bytes of every tensor in the optimizer's state
     that this rank holds (its shard of a sharded tensor). `counts` gives the first two where the model's tensors
     do not show them (a released copy: RoleTraining.parameter_counts)."""
-    trainable, total = counts or (sum(p.numel() for p in model.parameters() if p.requires_grad),
-                                  sum(p.numel() for p in model.parameters()))
+    trainable, total = counts or parameter_counts(model)
     state = held_bytes(v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
     return TrainingFootprint(trainable, total, state, held_bytes(model.parameters()))

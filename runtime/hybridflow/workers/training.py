@@ -25,7 +25,7 @@ history, which a checkpoint (DCP, `save`/`load`) keeps exactly.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -104,6 +104,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """The bytes this rank holds of `tensors` (a DTensor's shard; None counts nothing)."""
     return sum(local(t).numel() * local(t).element_size() for t in tensors if t is not None)
+
+
+def parameter_counts(model: torch.nn.Module, shapes: Mapping[str, torch.Size] | None = None) -> tuple[int, int]:
+    """(trainable, all) parameters of `model`; one named in `shapes` counts at that shape (a released copy's
+    parameter, whose tensor is empty until it is gathered again)."""
+    shapes = shapes or {}
+    trainable = total = 0
+    for name, p in model.named_parameters():
+        n = shapes[name].numel() if name in shapes else p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -258,16 +270,18 @@ class RoleTraining:
     def current(self) -> torch.nn.Module:
         """The module whose state dict holds the trained weights under the copy's names: the copy, or while it
         is released the sharded module (DTensors: every rank must read them, and run it, in step)."""
-        return self.layout.module if self._released else self.model
+        return self.layout.module if self.released else self.model
 
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, all) parameters of the model, those of a released copy counted at their full shapes."""
-        trainable = total = 0
-        for name, p in self.model.named_parameters():
-            n = self._released[name].numel() if name in self._released else p.numel()
-            total += n
-            trainable += n if p.requires_grad else 0
-        return trainable, total
+        return parameter_counts(self.model, self._released)
+
+    def held_copy(self) -> torch.nn.Module:
+        """The copy, which must hold the trained weights: read on one rank, a released copy would give empty
+        tensors, and gathering it is a collective that every rank must join (`hold_copy`)."""
+        if self.released:
+            raise RuntimeError("the inference copy is released: gather it on every rank first (hold_copy)")
+        return self.model
 
     def _materialize(self) -> None:
         own = dict(self.model.named_parameters())
