@@ -16,6 +16,7 @@ from hybridflow.api import parse_job
 from hybridflow.api.spec import Rollout, Training
 from hybridflow.data.tiny import VOCAB, ensure_tiny_model
 from hybridflow.workers import distributed
+from hybridflow.workers.actor import ActorRolloutWorker
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.modeling import in_micro_batches, load_causal_lm, quiet_transformers, response_log_probs
@@ -141,6 +142,20 @@ def ranks_main(rank: int, world: int, port: int, out: str, from_one: str) -> Non
     gap = torch.tensor([float((from_shards - from_copy).abs().max()), float(from_copy.abs().max())])
     torch.distributed.all_reduce(gap, op=torch.distributed.ReduceOp.MAX)
     res["critic_values_gap"], res["critic_values_scale"] = float(gap[0]), float(gap[1])
+
+    doc = yaml.safe_load(TINY_PPO.read_text())
+    doc["spec"]["trainer"]["training"] = {"microBatchSize": 2}
+    actor = ActorRolloutWorker(parse_job(doc).spec, CPU, scored=("old_log_probs",))
+    actor.training.keep_copy = False  # as under vLLM, whose engine reads no copy (plan.policy_copy_read_...)
+    train(actor.training, shard, 2)
+    res["actor_copy_bytes"] = actor.training.inference_copy_bytes()
+    ragged = make_batch(9, seed=5, ragged=True).shard(world)[rank]  # 5 and 4 rows: 3 and 2 passes of 2
+    from_shards = actor.old_log_probs(ragged).tensors["old_log_probs"].clone()
+    actor.training.hold_copy()
+    from_copy = actor.old_log_probs(ragged).tensors["old_log_probs"]
+    gap = torch.tensor([float((from_shards - from_copy).abs().max()), float(from_copy.abs().max())])
+    torch.distributed.all_reduce(gap, op=torch.distributed.ReduceOp.MAX)
+    res["old_log_probs_gap"], res["old_log_probs_scale"] = float(gap[0]), float(gap[1])
 
     resumed = new_training()
     resumed.load(from_one)

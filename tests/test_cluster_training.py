@@ -117,7 +117,7 @@ def test_plan_runs_across_raylets_with_backpressure(cluster, example_doc, tmp_pa
 def test_eventual_consistency_pipelines_across_raylets(cluster, example_doc, tmp_path) -> None:
     """The same graph with its control edge eventual: two actor ranks generate the next step's chunks while
     they and the critic ranks update; the batches come back in order, go to the remote reward and the critic's
-    values phase, and the next update takes them one version behind."""
+    scores phase, and the next update takes them one version behind."""
     doc = eventual_ppo(example_doc, "cluster-ppo-eventual", batch=32, minibatch=16)
     doc["spec"]["trainer"].update(totalSteps=4, checkpoint={"every": 0, "path": str(tmp_path / "c")})
     doc["spec"]["scheduling"] = {"microBatchSize": 4, "backpressure": False, "placementTimeoutSeconds": 60}
@@ -198,3 +198,35 @@ def test_a_sharded_actor_without_its_full_copy_changes_its_ranks(cluster, exampl
     assert all(r["critic_model_bytes"] == 0 for r in recs)
     assert [r["actor_model_bytes"] == 0 for r in recs] == [r["step"] <= down["step"] or r["step"] > up["step"]
                                                            for r in recs]
+
+
+def test_a_sharded_critic_on_the_actors_hosts_scores_with_its_shards(cluster, example_doc, tmp_path) -> None:
+    """The critic shares the actor's two processes and shards its training over them: its values leave the chain
+    of each generated chunk for the scores phase, where both ranks score their part of the batch at once, with
+    the shards; neither keeps a full copy of the critic between updates."""
+    doc = example_doc("tiny-ppo.yaml")
+    doc["metadata"]["name"] = "cluster-ppo-critic-in-actor"
+    g = graph()
+    g["nodes"][1]["resources"] = {"GPU": 0.25}
+    g["nodes"][3].update(resources={"GPU": 0.25}, pool="actor")
+    g["edges"][2]["coLocate"] = True
+    doc["spec"]["graph"] = g
+    doc["spec"]["data"]["batchSize"] = 16
+    doc["spec"]["algorithm"]["miniBatchSize"] = 8
+    doc["spec"]["trainer"].update(totalSteps=3, checkpoint={"every": 0, "path": str(tmp_path / "c")})
+    doc["spec"]["scheduling"] = {"backpressure": False, "placementTimeoutSeconds": 60}
+    trainer = Trainer(parse_job(doc).model_dump(by_alias=True, mode="json"), str(tmp_path / "m.jsonl"))
+    try:
+        assert trainer.plan.scored == ("values",) and "values" not in trainer.plan.colocated
+        assert [n.name for n in trainer.plan.trained] == ["actor_rollout"]
+        result = trainer.fit()
+        status = trainer.scheduler.get_status()
+    finally:
+        trainer.shutdown()
+    nodes = status["nodes"]
+    for a, c in zip(nodes["actor_rollout"]["workers"], nodes["critic"]["workers"], strict=True):
+        assert a["pid"] == c["pid"]
+    recs = result["records"]
+    assert len(recs) == 3 and all(math.isfinite(r["critic_loss"]) and math.isfinite(r["actor_loss"]) for r in recs)
+    assert all(r["critic_model_bytes"] == 0 for r in recs), [r["critic_model_bytes"] for r in recs]
+    assert all(r["timing/scores"] >= r["timing/values"] > 0 for r in recs)

@@ -135,7 +135,7 @@ def split(r: dict[str, Any]) -> tuple[float, float, float]:
     """compute, communication, scheduling of a record, by the definition the panel states."""
     step = r["timing/step"]
     compute = step * (1 - r["orchestration_overhead_frac"])
-    phases = sum(r.get(k, 0.0) for k in ("timing/rollout", "timing/values", "timing/advantages", "timing/update",
+    phases = sum(r.get(k, 0.0) for k in ("timing/rollout", "timing/scores", "timing/advantages", "timing/update",
                                        "timing/sync"))
     scheduling = min(step - compute, max(0.0, step - phases))
     return compute, step - compute - scheduling, scheduling

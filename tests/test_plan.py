@@ -24,7 +24,7 @@ from hybridflow.plan import (
     training_problems,
 )
 from hybridflow.preflight import preflight
-from tests.graph_rules import add_remote, drop, node, ppo_graph
+from tests.graph_rules import add_remote, drop, eventual, node, ppo_graph, set_parallelism
 
 
 def test_each_rule_at_the_plan_level(broken) -> None:
@@ -171,12 +171,61 @@ def test_the_actor_keeps_its_full_copy_only_where_something_reads_it_between_upd
     assert policy_copy_read_between_updates(spec_of(example_doc, job, **algorithm), lag) is read
 
 
-def test_ppo_with_its_own_critic_runs_a_values_phase(example_doc) -> None:
+def test_old_log_probs_scored_from_the_shards_leave_nothing_to_read_the_vllm_actors_copy(example_doc) -> None:
+    spec = spec_of(example_doc, "grpo-job.yaml")
+    assert policy_copy_read_between_updates(spec, 0, ("old_log_probs",)) is False
+    assert policy_copy_read_between_updates(spec_of(example_doc, "tiny-grpo.yaml"), 0, ("old_log_probs",)) is True
+
+
+def test_ppo_with_its_own_critic_scores_values_in_a_phase_of_their_own(example_doc) -> None:
     spec = spec_of(example_doc, "tiny-ppo.yaml")
     plan = step_plan(trainable_graph(spec, "CPU"), spec)
-    assert plan.phases == ("rollout", "values", "advantages", "update")
+    assert plan.phases == ("rollout", "scores", "advantages", "update")
+    assert plan.scored == ("values",) and plan.scored_on() == {"critic": ["values"]}
     assert not plan.fused
     assert [n.name for n in plan.trained] == ["actor_rollout", "critic"]
+
+
+@pytest.mark.parametrize(("ranks", "algorithm", "scored", "chain"), [
+    (16, {}, ("old_log_probs", "values"), ("reward", "reference")),  # KL in the reward: a pass of its own
+    (1, {}, ("values",), ("reward", "reference", "old_log_probs")),  # one rank shards nothing
+    (16, {"klPenalty": {"type": "low_var_kl", "coef": 0.001, "mode": "loss"}}, ("values",),
+     ("reward", "reference")),  # one optimiser step: the update scores them itself
+])
+def test_a_sharded_vllm_actor_scores_its_old_log_probs_with_every_rank_at_once(
+        example_doc, ranks: int, algorithm: dict, scored: tuple, chain: tuple) -> None:
+    spec = spec_of(example_doc, "ppo-job.yaml", **algorithm)
+    plan = step_plan(trainable_graph(spec, "GPU", parallelism=ranks), spec)
+    assert plan.scored == scored and plan.colocated == chain
+    assert plan.scored_on() == ({"actor_rollout": ["old_log_probs"]} if "old_log_probs" in scored else {}) | {
+        "critic": ["values"]}
+    assert policy_copy_read_between_updates(spec, plan.lag, plan.scored) is (scored == ("values",) and ranks == 1)
+
+
+def test_a_sharded_critic_on_the_actors_hosts_scores_values_with_every_rank_at_once(example_doc) -> None:
+    """Its values leave the chain for the scores phase, run in the actor's hosts after the old log-probs would
+    be; unsharded (training.shard off), it scores them chunk by chunk in the chain; with lag 1 they come after
+    the update either way (the phase follows the rollout of the next step)."""
+    graph = ppo_graph()
+    graph["edges"][2]["coLocate"] = True
+    for name in ("actor", "score", "ref", "critic"):
+        set_parallelism(graph, name, 2)
+    spec = spec_of(example_doc, "tiny-ppo.yaml", graph)
+    plan = step_plan(trainable_graph(spec, "CPU"), spec)
+    assert plan.colocated == ("reward", "reference", "old_log_probs") and plan.scored == ("values",)
+    assert plan.phases == ("rollout", "scores", "advantages", "update") and not plan.fused
+    assert plan.scored_on() == {"actor": ["values"]} and [n.name for n in plan.trained] == ["actor"]
+
+    doc = example_doc("tiny-ppo.yaml")
+    doc["spec"]["graph"], doc["spec"]["cluster"]["workerGroups"] = graph, []
+    doc["spec"]["trainer"]["training"] = {"shard": False}
+    spec = parse_job(doc).spec
+    plan = step_plan(trainable_graph(spec, "CPU"), spec)
+    assert plan.colocated == ("reward", "reference", "values", "old_log_probs") and plan.scored == ()
+
+    spec = spec_of(example_doc, "tiny-ppo.yaml", eventual(graph))
+    plan = step_plan(trainable_graph(spec, "CPU"), spec)
+    assert plan.lag == 1 and plan.scored == ("values",) and plan.late == ()
 
 
 def test_a_critic_sharing_the_actors_process_scores_values_in_it(example_doc) -> None:

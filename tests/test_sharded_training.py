@@ -202,6 +202,19 @@ def test_a_critic_scoring_in_a_phase_of_its_own_keeps_only_its_shards_and_scores
     assert ranks["critic_values_gap"] < 1e-5
 
 
+def test_old_log_probs_scored_by_every_rank_at_once_come_from_the_shards_as_from_the_full_copy(
+        runs: dict[str, Any]) -> None:
+    """The actor's old log-probs in the scores phase (a sharded vLLM actor, plan.scored_steps): after an update
+    its ranks hold no full copy and score their uneven parts (5 and 4 rows, micro-batches of 2) with the shards,
+    as the copy gathered from them scores them."""
+    ranks = runs["ranks"]
+    print(f"\nactor copy per rank: {ranks['actor_copy_bytes']} bytes after an update; old log-probs gap "
+          f"{ranks['old_log_probs_gap']:.3g} at scale {ranks['old_log_probs_scale']:.3g}")
+    assert ranks["actor_copy_bytes"] == 0
+    assert ranks["old_log_probs_scale"] > 0.1
+    assert ranks["old_log_probs_gap"] < 1e-5
+
+
 def test_a_rank_lost_in_an_update_recovers_from_the_checkpoint(runs: dict[str, Any]) -> None:
     """An update that never finished leaves the copy released; forming the ranks again and loading the
     checkpoint gives back exactly its weights."""

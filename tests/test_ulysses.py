@@ -120,10 +120,10 @@ def test_spec_takes_a_size_and_rejects_nonsense(example_doc: Any, role: str) -> 
 def test_plan_takes_sp_on_a_separate_critic(example_doc: Any) -> None:
     spec = parse_job(ppo_doc(example_doc, 2)).spec
     plan = step_plan(trainable_graph(spec, "CPU"), spec)
-    assert "values" in plan.phases and plan.critic is not None and plan.critic.parallelism == 2
+    assert "scores" in plan.phases and plan.critic is not None and plan.critic.parallelism == 2
     builtin = parse_job(ppo_doc(example_doc, 2, critic_node=False)).spec
     plan = step_plan(trainable_graph(builtin, "CPU", parallelism=3), builtin)
-    assert "values" in plan.phases and plan.critic is not None and plan.critic.parallelism == 4  # 3 rounded up
+    assert "scores" in plan.phases and plan.critic is not None and plan.critic.parallelism == 4  # 3 rounded up
 
 
 def test_plan_rejects_sp_the_ranks_cannot_take(example_doc: Any) -> None:

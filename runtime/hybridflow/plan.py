@@ -7,7 +7,7 @@ algorithm needs from it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -31,7 +31,9 @@ REQUIRED_ROLES: Mapping[str, tuple[Role, ...]] = MappingProxyType({
 })
 """Each needs exactly one node; no role may have two (the trainer could not tell which to use)."""
 
-Phase = Literal["rollout", "values", "advantages", "update", "sync"]
+Phase = Literal["rollout", "scores", "advantages", "update", "sync"]
+"""The parts of a step, in order; `scores` is there only when some step is scored by every rank at once
+(StepPlan.scored)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class StepPlan:
     trained: tuple[Node, ...]
     """One node per group of hosts that `update`: the actor, and the critic unless it shares the actor's hosts."""
     phases: tuple[Phase, ...]
-    """rollout, values, advantages, update; no values phase when the critic is absent or in the actor's process."""
+    """rollout, scores, advantages, update; no scores phase when nothing is `scored`."""
     fused: bool
     """Every phase runs on the actor's single host, so the whole step is one call to it."""
     lag: int = 0
@@ -87,6 +89,19 @@ class StepPlan:
     that is the LoRA policy's base): with lag 1 they run on a pipelined batch after the update, not during it."""
     policy_edge: str = ""
     """The control edge that brings the updated policy to the actor; every weight sync is recorded on it."""
+    scored: tuple[str, ...] = ()
+    """Steps run after the rollout by every rank of their role at once, each rank on its part of the whole
+    batch (the `scores` phase; see scored_steps), in this order."""
+
+    def scored_on(self) -> dict[str, list[str]]:
+        """Trained node -> the scored steps its hosts run, in one call per host: a critic on the actor's hosts
+        scores there, after the old log-probs."""
+        out: dict[str, list[str]] = {}
+        for step in self.scored:
+            node = self.critic if step == "values" and self.critic in self.trained else self.actor
+            assert node is not None
+            out.setdefault(node.name, []).append(step)
+        return out
 
 
 def sequences_per_step(spec: RLTrainingJobSpec) -> int:
@@ -107,15 +122,48 @@ def old_log_probs_from_update(spec: RLTrainingJobSpec, lag: int) -> bool:
     return lag == 0 and spec.algorithm.ppo_epochs == 1 and optimizer_steps(spec) == 1 and not kl_in_reward
 
 
-def policy_copy_read_between_updates(spec: RLTrainingJobSpec, lag: int) -> bool:
+def shards_training(ranks: int, shard: bool, lora: bool) -> bool:
+    """Whether a role's ranks shard its weights, gradients and optimizer state (FSDP2): several ranks and
+    spec.trainer.training.shard; LoRA adapters are small and stay replicated."""
+    return ranks > 1 and shard and not lora
+
+
+def trains_sharded(spec: RLTrainingJobSpec, node: Node) -> bool:
+    """shards_training for a trained node at its declared parallelism."""
+    lora = node.role == "actor_rollout" and spec.model.policy.lora is not None
+    return shards_training(node.parallelism, spec.trainer.training.shard, lora)
+
+
+def scored_steps(spec: RLTrainingJobSpec, actor: Node, critic: Node | None, critic_shares_hosts: bool,
+                 lag: int) -> tuple[str, ...]:
+    """The steps a rollout batch gets from every rank of their role at once, each rank scoring its part of the
+    whole batch in one call, instead of chunk by chunk as it is generated (see StepPlan.scored):
+      values          a critic on hosts of its own (data-parallel over its ranks), or a sharded one on the
+                      actor's hosts, which then scores with its shards and keeps no full copy between updates;
+      old_log_probs   a sharded actor whose rollout runs in vLLM's engine and that needs a pass of old
+                      log-probs (not old_log_probs_from_update): scored with the shards, the actor keeps no
+                      full copy of the policy while vLLM generates.
+    Collectives pair up only when every rank runs the same passes, which chunks dealt to one host at a time
+    cannot give."""
+    steps: list[str] = []
+    if (spec.rollout.engine == "vllm" and not old_log_probs_from_update(spec, lag)
+            and trains_sharded(spec, actor)):
+        steps.append(STEP_OF_ROLE["actor_rollout"].name)
+    if critic is not None and (not critic_shares_hosts or trains_sharded(spec, critic)):
+        steps.append(STEP_OF_ROLE["critic"].name)
+    return tuple(steps)
+
+
+def policy_copy_read_between_updates(spec: RLTrainingJobSpec, lag: int, scored: Collection[str] = ()) -> bool:
     """Whether anything reads the actor's full inference copy between updates: torch generation on lag 0 runs on
     it; with lag 1 it runs on a copy of its own, which also scores the old log-probs; vLLM generates in its own
-    engine, so only a pass of old log-probs (see old_log_probs_from_update) or a reference that is the LoRA
-    policy's base reads it. Where nothing does, a sharded actor keeps only its shards (RoleTraining.keep_copy)."""
+    engine, so only a pass of old log-probs in the chain (see old_log_probs_from_update; `scored` as
+    StepPlan.scored) or a reference that is the LoRA policy's base reads it. Where nothing does, a sharded actor
+    keeps only its shards (RoleTraining.keep_copy)."""
     if reference_in_policy(spec):
         return True
     if spec.rollout.engine == "vllm":
-        return not old_log_probs_from_update(spec, lag)
+        return not old_log_probs_from_update(spec, lag) and STEP_OF_ROLE["actor_rollout"].name not in scored
     return lag == 0
 
 
@@ -319,7 +367,8 @@ def step_plan(graph: DataflowGraph, spec: RLTrainingJobSpec) -> StepPlan:
     """Read a valid graph: which steps share the actor's process, which stream elsewhere, what trains.
 
     A critic that shares the actor's hosts scores values right after generation like any co-located
-    step; a separate critic gets its own `values` phase, data-parallel over its ranks.
+    step; a separate critic, and the steps of sharded roles whose copy nothing else reads, are scored in the
+    `scores` phase by every rank at once (scored_steps).
     """
     problems = training_problems(graph, spec)
     if problems:
@@ -341,7 +390,9 @@ def step_plan(graph: DataflowGraph, spec: RLTrainingJobSpec) -> StepPlan:
     if not old_log_probs_from_update(spec, lag):
         colocated.append(STEP_OF_ROLE["actor_rollout"].name)
     separate_critic = critic is not None and critic.name not in shared
-    phases: tuple[Phase, ...] = ("rollout", "values", "advantages", "update") if separate_critic else (
+    scored = scored_steps(spec, actor, critic, not separate_critic, lag)
+    colocated = [s for s in colocated if s not in scored]
+    phases: tuple[Phase, ...] = ("rollout", "scores", "advantages", "update") if scored else (
         "rollout", "advantages", "update")
     fused = (actor.parallelism == 1 and not remote and not separate_critic
              and spec.scheduling.micro_batch_size is None)
@@ -349,7 +400,7 @@ def step_plan(graph: DataflowGraph, spec: RLTrainingJobSpec) -> StepPlan:
     reads_trained = {"values"} | ({"reference"} if reference_in_policy(spec) else set())
     late = tuple(s for s in colocated if lag and s in reads_trained)
     return StepPlan(actor, critic, tuple(s for s in colocated if s not in late), tuple(remote), trained, phases,
-                    fused, lag, late, policy_edge(graph, spec))
+                    fused, lag, late, policy_edge(graph, spec), scored)
 
 
 # -- what the graph asks of a cluster -------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""One training step: rollout -> values -> advantages -> update, and the record it leaves.
+"""One training step: rollout -> scores -> advantages -> update, and the record it leaves.
 
 `run_step` is the step loop for wherever the phases run: the Trainer runs it over host groups, and a
 WorkerHost runs it in its own process when the plan fuses every phase onto that host (one call per
@@ -103,7 +103,9 @@ class PhaseRunner(Protocol):
         """The batch for `rows`: the one generated during the last update when it was for these rows."""
         ...
 
-    def values_phase(self, batch: RolloutBatch) -> float: ...
+    def scores_phase(self, batch: RolloutBatch) -> float:
+        """The plan's scored steps, every rank of their role at once on its part of `batch` (plan.scored_steps)."""
+        ...
 
     def update_phase(self, batch: RolloutBatch, kl_coef: float, ahead: Prompts | None) -> UpdateResult:
         """The update; with `ahead`, the rollout of those prompts runs meanwhile on the policy before it."""
@@ -116,7 +118,7 @@ class PhaseRunner(Protocol):
 
 def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, str]], group_ids: list[int],
              spec: RLTrainingJobSpec, kl_coef: float, ahead: Prompts | None = None, shards: int = 1) -> StepOutput:
-    """The step loop; `phases` (from the plan) holds "values" when the critic needs a phase of its own.
+    """The step loop; `phases` (from the plan) holds "scores" when some step is scored by every rank at once.
 
     `ahead` (consistency eventual) are the next step's prompts: their rollout overlaps this step's update,
     and the next run_step finds their batch ready. With `shards` data-parallel ranks training on the batch,
@@ -129,13 +131,13 @@ def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, 
         batch = batch.balanced(shards)
         tokens = [int(part.attention_mask.sum()) for part in batch.shard(shards)]
         out.stats["shard_tokens_max_over_mean"] = max(tokens) * len(tokens) / max(sum(tokens), 1)
-    out.timings = dict(batch.timings)
     out.rollout_bytes = batch.nbytes()
     out.add("rollout", time.perf_counter() - t0, compute)
-    if "values" in phases:
+    if "scores" in phases:
         t0 = time.perf_counter()
-        compute = runner.values_phase(batch)
-        out.add("values", time.perf_counter() - t0, compute)
+        compute = runner.scores_phase(batch)
+        out.add("scores", time.perf_counter() - t0, compute)
+    out.timings = dict(batch.timings)
     t0 = time.perf_counter()
     out.advantages = compute_advantages(batch, spec, kl_coef)
     out.stats |= batch_stats(batch)

@@ -106,8 +106,8 @@ class Trainer:
         self._handed_in_process = [c for c in out.values() if c.transport == "in_process"]
         """Edges whose consumer runs in the actor's process: each generated chunk is handed over in place."""
         critic = self.plan.critic.name if self.plan.critic is not None else None
-        self._to_critic = out.get(critic) if critic is not None and "values" in self.plan.phases else None
-        """The edge a separate critic's values phase gets the step's batch on (through the object store)."""
+        self._to_critic = out.get(critic) if critic is not None and self.plan.critic in self.plan.trained else None
+        """The edge a separate critic's values get the step's batch on in the scores phase (the object store)."""
         self.actor = self.groups[self.plan.actor.name]
         self.critic = self.groups[self.plan.critic.name] if self.plan.critic is not None else None
         self.trained = [self.groups[n.name] for n in self.plan.trained]
@@ -170,7 +170,7 @@ class Trainer:
         def host_kwargs(group, instance: int) -> dict[str, Any]:
             return {"spec": spec_json, "roles": {n.name: n.role for n in group.nodes}, "instance": instance,
                     "seed": seed, "use_gpu": use_gpu, "job": self.job.metadata.name,
-                    "threads": torch_threads(bundle_for(group)), "lag": self.plan.lag}
+                    "threads": torch_threads(bundle_for(group)), "lag": self.plan.lag, "scored": self.plan.scored}
 
         self.scheduler.start(WorkerHost, host_kwargs)
         if self.spec.trainer.checkpoint.every:
@@ -529,15 +529,24 @@ class Trainer:
         metrics = val_metrics(scores.tolist(), lengths.tolist(), prompt_ids, self.spec.reward.type == "function")
         return metrics | {"timing/eval": time.perf_counter() - t0}
 
-    def values_phase(self, batch: RolloutBatch) -> float:
-        """Critic values, data-parallel over the critic's ranks; returns the slowest rank's compute."""
-        assert self.critic is not None
+    def scores_phase(self, batch: RolloutBatch) -> float:
+        """The plan's scored steps: each group's hosts score their shards of the batch in one call each, every
+        group at once; each step's time is its slowest rank's. Returns the slowest host's compute."""
         if self._to_critic is not None:
             self._to_critic.record_bytes(batch.nbytes())
-        replicas = self._replicas(self.critic)
-        results: list[PhaseResult] = self.critic.map("run", batch, "values", replicas=replicas)
-        batch.tensors["values"] = torch.cat([r.tensors["values"] for r in results[::replicas]])
-        return max(r.seconds for r in results)
+        calls = [(self.groups[node], steps, self.groups[node].submit("score", batch, steps,
+                                                                      replicas=self._replicas(self.groups[node])))
+                 for node, steps in self.plan.scored_on().items()]
+        busiest = 0.0
+        for group, steps, refs in calls:
+            per_host: list[list[PhaseResult]] = ray.get(refs)
+            for i, step in enumerate(steps):
+                results = [host[i] for host in per_host]
+                for key in results[0].tensors:
+                    batch.tensors[key] = torch.cat([r.tensors[key] for r in results[::self._replicas(group)]])
+                batch.add_timing(step, max(r.seconds for r in results))
+            busiest = max(busiest, *(sum(r.seconds for r in host) for host in per_host))
+        return busiest
 
     def update_phase(self, batch: RolloutBatch, kl_coef: float, ahead: Prompts | None = None) -> UpdateResult:
         """Every trained group updates at once on its own shards (a critic on the actor's hosts in the same call).

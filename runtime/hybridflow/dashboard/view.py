@@ -10,11 +10,13 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, get_args
+
+from hybridflow.plan import Phase
 
 CURVES = ("reward_mean", "kl", "tokens_per_s")
 """The metrics drawn as curves against step."""
-PHASE_KEYS = ("timing/rollout", "timing/values", "timing/advantages", "timing/update", "timing/sync")
+PHASE_KEYS = tuple(f"timing/{phase}" for phase in get_args(Phase))
 """The wall time of each phase of a step, as the controller timed it (step.run_step)."""
 MAX_POINTS = 600
 """Curves longer than this are thinned for the page; the last point is always kept."""

@@ -21,7 +21,7 @@ import torch
 from hybridflow import checkpoint, telemetry
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.graph import reference_in_policy
-from hybridflow.plan import STEPS, Phase
+from hybridflow.plan import STEP_OF_ROLE, STEPS, Phase
 from hybridflow.step import PhaseResult, Prompts, StepOutput, SyncResult, UpdateResult, run_step
 from hybridflow.workers import distributed
 from hybridflow.workers.actor import ActorRolloutWorker, ReferenceWorker
@@ -33,13 +33,15 @@ from hybridflow.workers.reward import RewardWorker
 
 class WorkerHost:
     """Holds one worker per role; `roles` maps graph node name -> role; torch runs `threads` threads
-    (scheduler.placement.torch_threads of the bundle)."""
+    (scheduler.placement.torch_threads of the bundle); `lag` and `scored` are the plan's (StepPlan)."""
 
     def __init__(self, spec: dict[str, Any], roles: dict[str, str], instance: int, seed: int = 0,
-                 use_gpu: bool = True, job: str = "", threads: int = 1, lag: int = 0) -> None:
+                 use_gpu: bool = True, job: str = "", threads: int = 1, lag: int = 0,
+                 scored: tuple[str, ...] = ()) -> None:
         self.threads = prepare_process(threads)
         self.spec = RLTrainingJobSpec.model_validate(spec)
         self.roles, self.instance, self.seed, self.lag = dict(roles), instance, seed, lag
+        self.scored = tuple(scored)
         self._ahead: Pipelined | None = None
         self.device = pick_device(use_gpu)
         self._seed_everything()
@@ -58,13 +60,13 @@ class WorkerHost:
             if role == "actor_rollout":
                 group = self.instance // self.spec.model.policy.sequence_parallel  # its ranks cut the same minibatches
                 self.workers[role] = ActorRolloutWorker(self.spec, self.device, self.seed + self.instance, self.lag,
-                                                        shuffle_seed=self.seed + group)
+                                                        shuffle_seed=self.seed + group, scored=self.scored)
             elif role == "reference":
                 policy = self.workers.get("actor_rollout") if reference_in_policy(self.spec) else None
                 self.workers[role] = ReferenceWorker(self.spec, self.device, policy)
             elif role == "critic":
                 self.workers[role] = CriticWorker(self.spec, self.device, self.seed,
-                                                  own_phase="actor_rollout" not in self.roles.values())
+                                                  own_phase=STEP_OF_ROLE["critic"].name in self.scored)
             elif role == "reward":
                 self.workers[role] = RewardWorker(self.spec, self.device)
 
@@ -175,6 +177,11 @@ class WorkerHost:
         self._apply(step, batch)
         return PhaseResult({k: v for k, v in batch.tensors.items() if k not in before}, step,
                            time.perf_counter() - t0)
+
+    def score(self, batch: RolloutBatch, steps: list[str]) -> list[PhaseResult]:
+        """The scored steps this host runs on its part of the step's batch (plan.scored_steps), in order, in one
+        call: the other ranks run the same ones, so their collectives pair up."""
+        return [self.run(batch, step) for step in steps]
 
     def _apply(self, step: str, batch: RolloutBatch) -> None:
         s = STEPS[step]
@@ -307,8 +314,8 @@ class _LocalPhases:
         self.host.late(batch, self.late)
         return batch, batch.seconds_besides(generated)
 
-    def values_phase(self, batch: RolloutBatch) -> float:
-        return self.host.run(batch, "values").seconds
+    def scores_phase(self, batch: RolloutBatch) -> float:
+        return sum(r.seconds for r in self.host.score(batch, list(self.host.scored)))
 
     def update_phase(self, batch: RolloutBatch, kl_coef: float, ahead: Prompts | None) -> UpdateResult:
         if ahead is not None:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.api.spec import Training
+from hybridflow.plan import shards_training
 from hybridflow.workers import distributed
 from hybridflow.workers.lora import is_lora
 
@@ -44,8 +45,8 @@ OPTIM_PREFIX = "optim."
 
 
 def layout_kind(world: int, shard: bool, dtype: torch.dtype, lora: bool) -> LayoutKind:
-    """Sharded with several ranks (LoRA adapters are small: they stay replicated); else masters for a 16-bit model."""
-    if world > 1 and shard and not lora:
+    """Sharded where plan.shards_training says so; else masters for a 16-bit model."""
+    if shards_training(world, shard, lora):
         return "sharded"
     return "plain" if dtype == torch.float32 else "masters"
 
