@@ -353,6 +353,8 @@ class TestCluster:
         assert time.monotonic() - t0 < 5
         assert "cannot raise critic parallelism 4 -> 5: GPU: need 1" in caplog.text
         assert s.get_status()["nodes"]["critic"]["parallelism"] == 4
+        # a refused raise gathers nothing: the ranks hold what the last change left them
+        assert ray.get([h.last_hold.remote() for h in s.hosts("critic")]) == [6.0] * 3 + [None]
 
     def test_backpressure_raises_consumer_then_slows_producer_then_relaxes(
             self, gpu_sched: HybridScheduler, cluster: dict[str, str]) -> None:

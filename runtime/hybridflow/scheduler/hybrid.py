@@ -479,11 +479,17 @@ class HybridScheduler:
             return old
         partners = [n for n in g.plan.node_names if n != node_name]
         with_ = f"; with co-located {', '.join(partners)}" if partners else ""
-        if g.plan.data_parallel:
-            ray.get([h.hold_copies.remote() for h in g.hosts], timeout=self.call_timeout_s)
+        ranks = g.hosts
         if target < old:
+            self._hold_copies(g, ranks)
             self._lower(g, target)
-        elif not self._raise(g, target, node_name, reason, source):
+        elif self._raise(g, target, node_name, reason, source):
+            try:
+                self._hold_copies(g, ranks)
+            except BaseException:
+                self._lower(g, old)  # the group as it was, for the recovery that follows
+                raise
+        else:
             return old
         self.decide(f"{source}: {node_name} parallelism {old} -> {target} ({reason}){with_}",
                      _kind(source, "up" if target > old else "down"), node_name, reason)
@@ -494,6 +500,12 @@ class HybridScheduler:
         if g.plan.data_parallel:
             self._setup_distributed([g])
         return target
+
+    def _hold_copies(self, g: _Group, ranks: list[ActorHandle]) -> None:
+        """A data-parallel group's ranks as they were gather what their roles released (Host.hold_copies), once
+        the change is certain and before any of them goes: the new layout starts from those copies."""
+        if g.plan.data_parallel:
+            ray.get([h.hold_copies.remote() for h in ranks], timeout=self.call_timeout_s)
 
     def _lower(self, g: _Group, target: int) -> None:
         for s in g.slots[target: g.active]:
