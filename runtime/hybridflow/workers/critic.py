@@ -44,10 +44,10 @@ class ValueModel(torch.nn.Module):
 class CriticWorker:
     """One data-parallel rank; its weights and optimizer are laid out over the ranks by RoleTraining.
 
-    `own_phase`: its values run in a phase of their own, each rank scoring its shard of the batch in one call
-    (a critic outside the actor's processes), so a sharded critic scores them with the shards and keeps no full
-    copy between updates. A critic in the actor's process scores chunks as they are generated, one host at a
-    time, and keeps its copy for them.
+    `own_phase`: its values run in the step's scores phase (plan.scored_steps: a critic outside the actor's
+    processes, or sharded in them), each rank scoring its shard of the batch in one call, so a sharded critic
+    scores them with the shards and keeps no full copy between updates. Otherwise it scores chunks in the
+    actor's process as they are generated, one host at a time, and keeps its copy for them.
     """
 
     def __init__(self, spec: RLTrainingJobSpec, device: torch.device, seed: int = 0, own_phase: bool = False) -> None:
