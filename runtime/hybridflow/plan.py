@@ -98,7 +98,7 @@ class StepPlan:
         scores there, after the old log-probs."""
         out: dict[str, list[str]] = {}
         for step in self.scored:
-            node = self.critic if step == "values" and self.critic in self.trained else self.actor
+            node = self.critic if step == STEP_OF_ROLE["critic"].name and self.critic in self.trained else self.actor
             assert node is not None
             out.setdefault(node.name, []).append(step)
         return out

@@ -534,16 +534,17 @@ class Trainer:
         group at once; each step's time is its slowest rank's. Returns the slowest host's compute."""
         if self._to_critic is not None:
             self._to_critic.record_bytes(batch.nbytes())
-        calls = [(self.groups[node], steps, self.groups[node].submit("score", batch, steps,
-                                                                      replicas=self._replicas(self.groups[node])))
-                 for node, steps in self.plan.scored_on().items()]
+        calls = []
+        for node, steps in self.plan.scored_on().items():
+            replicas = self._replicas(self.groups[node])
+            calls.append((steps, replicas, self.groups[node].submit("score", batch, steps, replicas=replicas)))
         busiest = 0.0
-        for group, steps, refs in calls:
+        for steps, replicas, refs in calls:
             per_host: list[list[PhaseResult]] = ray.get(refs)
             for i, step in enumerate(steps):
                 results = [host[i] for host in per_host]
                 for key in results[0].tensors:
-                    batch.tensors[key] = torch.cat([r.tensors[key] for r in results[::self._replicas(group)]])
+                    batch.tensors[key] = torch.cat([r.tensors[key] for r in results[::replicas]])
                 batch.add_timing(step, max(r.seconds for r in results))
             busiest = max(busiest, *(sum(r.seconds for r in host) for host in per_host))
         return busiest
