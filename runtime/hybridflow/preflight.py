@@ -6,6 +6,8 @@ before the workers load them (hybridflow.hub)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.data.prompts import DataError, load_prompts
 from hybridflow.plan import graph_problems
@@ -13,6 +15,7 @@ from hybridflow.trackers import missing_extras
 from hybridflow.workers.lora import targets_problem
 from hybridflow.workers.modeling import ModelPathError, check_model_dir, model_skeleton
 from hybridflow.workers.reward import RewardFunctionError, resolve_reward_function
+from hybridflow.workers.rollout import vllm_build, vllm_problem
 
 
 def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
@@ -36,8 +39,9 @@ def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
         except DataError as e:
             problems.append(str(e))
     problems += graph_problems(spec, "GPU" if accelerator == "GPU" else "CPU")
-    if spec.rollout.engine == "vllm" and accelerator != "GPU":
-        problems.append("spec.rollout.engine: 'vllm' needs a GPU; use 'torch' on CPU-only machines")
+    if spec.rollout.engine == "vllm" and (problem := vllm_problem(accelerator == "GPU")):
+        problems.append(problem)
+    problems += vllm_cpu_problems(spec, accelerator)
     problems += missing_extras(spec.trainer.loggers.backends)
     return problems
 
@@ -46,21 +50,43 @@ def tensor_parallel_problems(spec: RLTrainingJobSpec) -> list[str]:
     """vLLM gives each tensor-parallel rank heads / tensorParallelSize attention heads: it must divide them
     (read from the policy's config.json; nothing to say when it cannot be read, which is reported above)."""
     tp = spec.rollout.tensor_parallel_size
-    if spec.rollout.engine != "vllm" or tp == 1:
+    if spec.rollout.engine != "vllm" or tp == 1 or (config := policy_config(spec)) is None:
         return []
-    try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(check_model_dir(spec.model.policy.path, "spec.model.policy.path"))
-    except (ModelPathError, OSError, ValueError):
-        return []
-    heads = getattr(config.get_text_config(), "num_attention_heads", None)
+    heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int) or heads % tp == 0:
         return []
     fits = [d for d in range(1, heads + 1) if heads % d == 0]
     return [f"spec.rollout.tensorParallelSize: {tp} does not divide the policy's {heads} attention heads "
             f"(spec.model.policy.path's config.json); each tensor-parallel rank takes an equal share, so use one "
             f"of {', '.join(map(str, fits))}"]
+
+
+def vllm_cpu_problems(spec: RLTrainingJobSpec, accelerator: str) -> list[str]:
+    """vLLM's CPU build has attention kernels for some head sizes only; another fails at the first generate, deep
+    in vLLM's engine."""
+    if (spec.rollout.engine != "vllm" or accelerator == "GPU" or vllm_build() != "cpu"
+            or (config := policy_config(spec)) is None):
+        return []
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head in sizes:
+        return []
+    return [f"spec.model.policy.path: vLLM's CPU build runs attention heads of size {', '.join(map(str, sizes))}; "
+            f"this policy's are {head} (its config.json); use rollout.engine torch for it"]
+
+
+def policy_config(spec: RLTrainingJobSpec) -> Any:
+    """The policy's text config (transformers' PretrainedConfig), or None when it cannot be read (reported by
+    preflight's model check)."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(check_model_dir(spec.model.policy.path, "spec.model.policy.path"))
+    except (ModelPathError, OSError, ValueError):
+        return None
+    return config.get_text_config()
 
 
 def lora_problems(spec: RLTrainingJobSpec) -> list[str]:

