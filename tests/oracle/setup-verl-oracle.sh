@@ -14,23 +14,10 @@ VERL_VERSION="${VERL_VERSION:-0.9.1}"
 REQUIREMENTS=(numpy omegaconf packaging tensordict transformers ray codetiming orjson)
 CACHE="${HYBRIDFLOW_CACHE:-$HOME/.cache/hybridflow}"
 ENV_DIR="$CACHE/verl-oracle-$VERL_VERSION"
-PY="$ENV_DIR/bin/python"
-STAMP="$ENV_DIR/.hybridflow-oracle"
 WANT="verl==$VERL_VERSION torch ${REQUIREMENTS[*]}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-
-if [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
-  echo "$PY"
-  exit 0
-fi
-
-UV="${UV:-$(command -v uv || true)}"
-[[ -n "$UV" ]] || UV="$REPO/.venv/bin/uv"
-[[ -x "$UV" ]] || { echo "uv not found: install it or run 'make venv' (which puts uv in .venv/bin)" >&2; exit 1; }
-
-mkdir -p "$CACHE"
-rm -rf "$ENV_DIR"
-"$UV" venv -q --python 3.11 "$ENV_DIR" >&2
+# shellcheck source=../../scripts/cached-env.sh
+source "$REPO/scripts/cached-env.sh"
 # The CPU wheels are a tenth of the size; PyPI's torch works as well where that index is unreachable.
 "$UV" pip install -q --python "$PY" torch --index-url https://download.pytorch.org/whl/cpu >&2 \
   || "$UV" pip install -q --python "$PY" torch >&2
@@ -38,5 +25,4 @@ rm -rf "$ENV_DIR"
 "$UV" pip install -q --python "$PY" --no-deps "verl==$VERL_VERSION" >&2
 # Run from the environment's directory: a cwd holding a ray/ or verl/ folder (Ray's /tmp/ray) would shadow them.
 (cd "$ENV_DIR" && "$PY" -c "import verl.trainer.ppo.core_algos") >&2
-echo "$WANT" > "$STAMP"
-echo "$PY"
+env_built
