@@ -6,6 +6,7 @@ Imports vLLM only inside its methods: the worker process that loads this class h
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +50,7 @@ class WeightLoader:
         return {name: float(p.detach().double().sum()) for name, p in self.model_runner.model.named_parameters()}
 
 
+@functools.cache
 def _layerwise_reload() -> tuple[Any, Any] | None:
     """vLLM's (initialize_layerwise_reload, finalize_layerwise_reload); None before vLLM had them, when a model's
     loaders stayed in place after loading."""
