@@ -158,7 +158,9 @@ def wait_for_running_build() -> None:
 
 @dataclass
 class BackgroundBuild:
-    """build.sh running beside the tests, at a lower CPU priority, its output in a log file.
+    """build.sh running beside the tests, at the lowest CPU priority, its output in a log file: Ray runs its
+    workers at nice 15, and a build any higher (it shares the tests' session, so niceness weighs directly) takes
+    the cores from the tests that need no binaries instead of filling the time they leave idle.
 
     The lock is taken here before the child starts and handed to it (HYBRIDFLOW_BUILD_LOCK_FD tells
     build.sh it holds it already), so a lookup made right after `start` already waits for the build."""
@@ -171,7 +173,7 @@ class BackgroundBuild:
     finished: float | None = None
     _log: IO[bytes] | None = field(default=None, repr=False)
 
-    def start(self, niceness: int = 10) -> BackgroundBuild:
+    def start(self, niceness: int = 19) -> BackgroundBuild:
         if not go_available():
             raise MissingBinariesError("cannot build control-plane binaries: Go is not installed")
         _lock_path().parent.mkdir(parents=True, exist_ok=True)
