@@ -157,6 +157,9 @@ def test_tiny_grpo_trains_in_real_pods_to_succeeded(real_cluster: RealNodeCluste
     pods start, KubeRay's submitter runs `hybridflow train`, the driver serves the scheduler dashboard on the head
     (status.schedulerDashboardUrl), status.progress rises, the job ends Succeeded."""
     job = with_host_runtime(yaml.safe_load(TINY_GRPO.read_text()), node_images[2])
+    # status.progress is patched every 5 s, and on a quiet machine the example's 80 steps take about that long:
+    # three times as many keep the step rising through several patches between the first and the last
+    job["spec"]["trainer"]["totalSteps"] = 240
     run = JobRun(real_cluster, job, "real-grpo")
     run.apply()
     run.wait_for_step(1)
