@@ -145,7 +145,9 @@ def test_the_guard_drops_pod_packets_bound_off_the_machine(
 def operator(real_cluster: RealNodeCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     log = tmp_path_factory.mktemp("real-operator") / "operator.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDFLOW_")}
-    proc = OperatorProcess(log, env | {"KUBECONFIG": str(real_cluster.kubeconfig)})
+    # the Ray pods patch status.progress every second (5 by default), so a short job shows its step rising
+    proc = OperatorProcess(log, env | {"KUBECONFIG": str(real_cluster.kubeconfig),
+                                  contract.ENV_PROGRESS_INTERVAL: "1"})
     proc.start()
     yield proc
     proc.stop()
@@ -157,9 +159,6 @@ def test_tiny_grpo_trains_in_real_pods_to_succeeded(real_cluster: RealNodeCluste
     pods start, KubeRay's submitter runs `hybridflow train`, the driver serves the scheduler dashboard on the head
     (status.schedulerDashboardUrl), status.progress rises, the job ends Succeeded."""
     job = with_host_runtime(yaml.safe_load(TINY_GRPO.read_text()), node_images[2])
-    # status.progress is patched every 5 s, and on a quiet machine the example's 80 steps take about that long:
-    # three times as many keep the step rising through several patches between the first and the last
-    job["spec"]["trainer"]["totalSteps"] = 240
     run = JobRun(real_cluster, job, "real-grpo")
     run.apply()
     run.wait_for_step(1)
@@ -168,6 +167,8 @@ def test_tiny_grpo_trains_in_real_pods_to_succeeded(real_cluster: RealNodeCluste
     result.assert_succeeded(MIN_FINAL_REWARD)
     rayjob = real_cluster.get_json("rayjob", result.job["metadata"]["name"], "-n", "real-grpo")
     assert rayjob["status"]["jobStatus"] == "SUCCEEDED"
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {"name": contract.ENV_PROGRESS_INTERVAL, "value": "1"} in head["env"]  # the operator's, as it was started
     print(f"\nGRPO: apply->first step {result.first_step_s:.1f}s, wall {result.wall_s:.1f}s, "
           f"final reward {result.final_reward:.3f}")
 

@@ -321,6 +321,7 @@ def test_environment(default: list[dict[str, Any]], namespaced: list[dict[str, A
     assert e["HYBRIDFLOW_LOG_LEVEL"] == "INFO"
     assert e["HYBRIDFLOW_RUNTIME_IMAGE"] == "docker.io/hybridflow/runtime:0.1.0"
     assert json.loads(e["HYBRIDFLOW_GPU_PRODUCTS"]) == VALUES["gpuProductLabels"]
+    assert e["HYBRIDFLOW_PROGRESS_INTERVAL"] == "5"
     assert env(namespaced)["HYBRIDFLOW_WATCH_NAMESPACES"] == "a,b"
 
 
@@ -342,7 +343,7 @@ def test_overrides(helm: str) -> None:
         "gpuProductLabels.L4=null",
         "extraArgs={--verbose}",
         "serviceAccount.name=custom",
-        set_json=('gpuProductLabels={"B300": ["NVIDIA-B300"]}',),
+        set_json=('gpuProductLabels={"B300": ["NVIDIA-B300"]}', "progressInterval=0.5"),  # --set reads 0.5 as text
     )
     c = container(docs)
     assert c["image"] == "docker.io/hybridflow/operator:dev"
@@ -350,6 +351,7 @@ def test_overrides(helm: str) -> None:
     e = env(docs)
     assert e["HYBRIDFLOW_RUNTIME_IMAGE"] == "registry.local/runtime:x"
     assert e["HYBRIDFLOW_LOG_LEVEL"] == "DEBUG"
+    assert e["HYBRIDFLOW_PROGRESS_INTERVAL"] == "0.5"
     # Helm merges maps: entries are added to the defaults, and null drops one.
     expected = {k: v for k, v in VALUES["gpuProductLabels"].items() if k != "L4"} | {"B300": ["NVIDIA-B300"]}
     assert json.loads(e["HYBRIDFLOW_GPU_PRODUCTS"]) == expected

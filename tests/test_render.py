@@ -654,6 +654,7 @@ def test_settings_from_env() -> None:
         "HYBRIDFLOW_STATUS_WRITES_PER_S": "50",
         "HYBRIDFLOW_MAX_REQUESTS": "16",
         "HYBRIDFLOW_SPIN_UP_JOBS": "25",
+        "HYBRIDFLOW_PROGRESS_INTERVAL": "2.5",
     })
     assert s.watch_namespaces == ("team-a", "team-b") and not s.clusterwide
     assert s.log_level == "DEBUG"
@@ -661,6 +662,7 @@ def test_settings_from_env() -> None:
     assert s.render.runtime_image == "registry.local/rt:2"
     assert s.status_interval == 60.0
     assert (s.status_min_interval, s.status_writes_per_s, s.max_requests, s.spin_up_jobs) == (0.5, 50.0, 16, 25)
+    assert s.render.progress_interval == 2.5 and from_env({}).render.progress_interval == 5.0
 
 
 def test_render_settings_read_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -691,6 +693,15 @@ def test_bad_settings_are_refused(env: dict[str, str]) -> None:
         from_env(env)
 
 
+@pytest.mark.parametrize("name", ["HYBRIDFLOW_PROGRESS_INTERVAL", "HYBRIDFLOW_STATUS_INTERVAL",
+                                  "HYBRIDFLOW_STATUS_WRITES_PER_S", "HYBRIDFLOW_MAX_REQUESTS"])
+@pytest.mark.parametrize("value", ["0", "-1", "5s", "inf", "nan"])
+def test_a_number_setting_that_is_not_a_positive_number_is_named_with_its_value(name: str, value: str) -> None:
+    with pytest.raises(SettingsError) as refused:
+        from_env({name: value})
+    assert str(refused.value) == f"{name} must be a positive number, got {value!r}"
+
+
 def test_default_gpu_map_is_read_only() -> None:
     with pytest.raises(TypeError):
         DEFAULT_GPU_PRODUCTS["X"] = ("Y",)  # type: ignore[index]
@@ -703,8 +714,19 @@ def test_every_runtime_variable_set_in_a_pod_is_one_the_runtime_reads() -> None:
     for template in templates:
         env = env_of(template)
         ours = {k for k in env if k.startswith("HYBRIDFLOW_")}
-        assert ours == {contract.ENV_JOB_NAME, contract.ENV_JOB_NAMESPACE, contract.ENV_CONFIG}
+        assert ours == {contract.ENV_JOB_NAME, contract.ENV_JOB_NAMESPACE, contract.ENV_CONFIG,
+                        contract.ENV_PROGRESS_INTERVAL}
         assert env[contract.ENV_CONFIG] == contract.CONFIG_PATH
+        assert env[contract.ENV_PROGRESS_INTERVAL] == "5"
+
+
+def test_the_operators_progress_interval_reaches_every_ray_pod() -> None:
+    """The interval is the operator's setting (the chart's progressInterval), not the job's: the head, where the
+    driver reports, and every worker group carry it."""
+    settings = RenderSettings.from_env({contract.ENV_PROGRESS_INTERVAL: "0.5"})
+    cluster = rayjob_of(live(example()), settings)["spec"]["rayClusterSpec"]
+    templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+    assert [env_of(t)[contract.ENV_PROGRESS_INTERVAL] for t in templates] == ["0.5"] * len(templates)
 
 
 # -- pod settings of spec.cluster ---------------------------------------------------------------------------

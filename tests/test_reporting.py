@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
 
+import pytest
+
+from hybridflow import reporting
 from hybridflow.api import RLTrainingJobStatus
 from hybridflow.reporting import ProgressReporter, progress_patch
 
@@ -50,6 +54,22 @@ def test_a_failing_patch_never_raises() -> None:
 def test_inactive_outside_a_cluster(monkeypatch) -> None:
     monkeypatch.delenv("HYBRIDFLOW_JOB_NAME", raising=False)
     assert ProgressReporter.from_env() is None
+
+
+@pytest.mark.parametrize(("value", "interval"), [(None, 5.0), ("0.5", 0.5), ("soon", 5.0)])
+def test_the_interval_is_the_one_the_operator_set_in_the_pod(monkeypatch, caplog, value, interval) -> None:
+    """A value the operator would have refused (a pod edited by hand) is named in a warning; training goes on at
+    the default rate."""
+    monkeypatch.setenv("HYBRIDFLOW_JOB_NAME", "job")
+    if value is None:
+        monkeypatch.delenv("HYBRIDFLOW_PROGRESS_INTERVAL", raising=False)
+    else:
+        monkeypatch.setenv("HYBRIDFLOW_PROGRESS_INTERVAL", value)
+    monkeypatch.setattr(reporting, "kubernetes_patcher", lambda: lambda ns, name, body: None)  # no API server here
+    with caplog.at_level(logging.WARNING, logger=reporting.log.name):
+        r = ProgressReporter.from_env()
+    assert r is not None and r.interval_s == interval
+    assert ("HYBRIDFLOW_PROGRESS_INTERVAL must be a positive number, got 'soon'" in caplog.text) == (value == "soon")
 
 
 def test_the_job_of_a_pod_comes_from_the_variables_the_operator_sets() -> None:

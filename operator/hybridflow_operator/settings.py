@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from hybridflow.k8s.settings import ENV_PREFIX, RenderSettings, SettingsError
+from hybridflow.k8s.settings import ENV_PREFIX, RenderSettings, SettingsError, positive_number
 
 __all__ = ["OperatorSettings", "SettingsError", "from_env", "parse_namespaces"]
 
@@ -67,16 +67,6 @@ def parse_namespaces(value: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(ns.strip() for ns in value.split(",") if ns.strip()))
 
 
-def _positive_float(name: str, value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise SettingsError(f"{name} must be a number of seconds, got {value!r}") from None
-    if number <= 0:
-        raise SettingsError(f"{name} must be positive, got {value!r}")
-    return number
-
-
 def _port(name: str, value: str) -> int:
     try:
         port = int(value)
@@ -99,17 +89,17 @@ def from_env(environ: Mapping[str, str], **overrides: object) -> OperatorSetting
         values["event_level"] = env["EVENT_LEVEL"].upper()
     values["render"] = RenderSettings.from_env(environ)
     if env.get("STATUS_INTERVAL"):
-        values["status_interval"] = _positive_float(f"{ENV_PREFIX}STATUS_INTERVAL", env["STATUS_INTERVAL"])
+        values["status_interval"] = positive_number(f"{ENV_PREFIX}STATUS_INTERVAL", env["STATUS_INTERVAL"])
     if env.get("STATUS_MIN_INTERVAL"):
-        values["status_min_interval"] = _positive_float(f"{ENV_PREFIX}STATUS_MIN_INTERVAL",
+        values["status_min_interval"] = positive_number(f"{ENV_PREFIX}STATUS_MIN_INTERVAL",
                                                         env["STATUS_MIN_INTERVAL"])
     if env.get("STATUS_WRITES_PER_S"):
-        values["status_writes_per_s"] = _positive_float(f"{ENV_PREFIX}STATUS_WRITES_PER_S",
+        values["status_writes_per_s"] = positive_number(f"{ENV_PREFIX}STATUS_WRITES_PER_S",
                                                         env["STATUS_WRITES_PER_S"])
     if env.get("SPIN_UP_JOBS"):
-        values["spin_up_jobs"] = max(1, int(_positive_float(f"{ENV_PREFIX}SPIN_UP_JOBS", env["SPIN_UP_JOBS"])))
+        values["spin_up_jobs"] = max(1, int(positive_number(f"{ENV_PREFIX}SPIN_UP_JOBS", env["SPIN_UP_JOBS"])))
     if env.get("MAX_REQUESTS"):
-        values["max_requests"] = max(1, int(_positive_float(f"{ENV_PREFIX}MAX_REQUESTS", env["MAX_REQUESTS"])))
+        values["max_requests"] = max(1, int(positive_number(f"{ENV_PREFIX}MAX_REQUESTS", env["MAX_REQUESTS"])))
     if env.get("METRICS_PORT"):
         values["metrics_port"] = _port(f"{ENV_PREFIX}METRICS_PORT", env["METRICS_PORT"])
     values.update({k: v for k, v in overrides.items() if v is not None})

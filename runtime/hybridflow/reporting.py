@@ -12,6 +12,7 @@ from typing import Any
 from hybridflow.api.spec import API_GROUP, API_VERSION, PLURAL
 from hybridflow.api.status import Progress
 from hybridflow.k8s import contract
+from hybridflow.k8s.settings import SettingsError, progress_interval_from_env
 
 log = logging.getLogger(__name__)
 Patcher = Callable[[str, str, dict[str, Any]], None]
@@ -48,7 +49,8 @@ def kubernetes_patcher() -> Patcher:
 class ProgressReporter:
     """Throttled to one patch per `interval_s`; the last step is always sent."""
 
-    def __init__(self, name: str, namespace: str, patcher: Patcher, interval_s: float = 5.0) -> None:
+    def __init__(self, name: str, namespace: str, patcher: Patcher,
+                 interval_s: float = contract.DEFAULT_PROGRESS_INTERVAL) -> None:
         self.name, self.namespace, self.patcher, self.interval_s = name, namespace, patcher, interval_s
         self._last: float | None = None
         self.failures = 0
@@ -60,7 +62,11 @@ class ProgressReporter:
         if found is None:
             return None
         namespace, name = found
-        interval = float(os.environ.get(contract.ENV_PROGRESS_INTERVAL, "5"))
+        try:
+            interval = progress_interval_from_env(os.environ)
+        except SettingsError as e:  # the operator checked it: a pod edited by hand, say
+            log.warning("%s; patching status.progress every %gs", e, contract.DEFAULT_PROGRESS_INTERVAL)
+            interval = contract.DEFAULT_PROGRESS_INTERVAL
         try:
             return cls(name, namespace, kubernetes_patcher(), interval)
         except Exception as e:  # no credentials: train anyway

@@ -14,6 +14,7 @@ from pydantic import ConfigDict, Field
 
 from hybridflow.api.base import ApiModel
 from hybridflow.api.pod import EnvName, ObjectName
+from hybridflow.k8s.contract import DEFAULT_PROGRESS_INTERVAL
 from hybridflow.k8s.settings import DEFAULT_GPU_PRODUCTS
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -252,6 +253,10 @@ class ChartValues(ValuesModel):
     """spec.cluster.gpuType -> the nvidia.com/gpu.product node label values (as GPU feature discovery writes
     them) that Ray worker pods may be scheduled on. Equal to the operator's built-in defaults. Helm merges
     your entries into this map: add a gpuType, or set one to null to drop it."""
+    progress_interval: float = Field(DEFAULT_PROGRESS_INTERVAL, gt=0)
+    """Seconds between two status.progress patches of a running job, which its Ray pods write: about one API
+    write per running job per interval. Lower shows `kubectl get rlj` moving sooner; higher spares the API
+    server of a large fleet."""
     crds: Crds = Field(default_factory=Crds)
     service_account: ServiceAccount = Field(default_factory=ServiceAccount)
     rbac: Rbac = Field(default_factory=Rbac)

@@ -18,7 +18,9 @@ ENV_JOB_NAMESPACE = "HYBRIDFLOW_JOB_NAMESPACE"
 ENV_CONFIG = "HYBRIDFLOW_CONFIG"
 """Set in every Ray pod: `hybridflow train` reads its job from here when --config is not given."""
 ENV_PROGRESS_INTERVAL = "HYBRIDFLOW_PROGRESS_INTERVAL"
-"""Optional: seconds between two status.progress patches (default 5)."""
+"""Set in every Ray pod from the operator's own (settings.RenderSettings): seconds between two status.progress
+patches."""
+DEFAULT_PROGRESS_INTERVAL = 5.0
 
 DASHBOARD_PORT = 8266
 DASHBOARD_PORT_NAME = "hf-dashboard"

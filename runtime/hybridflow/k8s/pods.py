@@ -30,6 +30,7 @@ from hybridflow.k8s.contract import (
     ENV_CONFIG,
     ENV_JOB_NAME,
     ENV_JOB_NAMESPACE,
+    ENV_PROGRESS_INTERVAL,
     pool_resource,
 )
 from hybridflow.k8s.layout import WorkerGroupPlan
@@ -62,6 +63,8 @@ class PodContext:
     """Of every pod: the job's propagated annotations, then spec.cluster.podAnnotations."""
     cluster: Cluster
     gpu_products: Sequence[str]
+    progress_interval: float
+    """Seconds between two status.progress patches (settings.RenderSettings)."""
 
 
 def head_group(ctx: PodContext) -> dict:
@@ -234,11 +237,12 @@ def _resources(cpus: CpuAmount, memory: str, gpus: int) -> dict:
 
 
 def _runtime_env(ctx: PodContext) -> list[dict]:
-    """Lets the runtime find its config and patch its own job's status.progress."""
+    """Lets the runtime find its config and patch its own job's status.progress, as often as the operator says."""
     return [
         _env(ENV_JOB_NAME, ctx.job_name),
         _env(ENV_JOB_NAMESPACE, ctx.namespace),
         _env(ENV_CONFIG, CONFIG_PATH),
+        _env(ENV_PROGRESS_INTERVAL, f"{ctx.progress_interval:g}"),
     ]
 
 

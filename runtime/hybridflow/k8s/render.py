@@ -179,6 +179,7 @@ def _rayjob(job: RLTrainingJob, layout: Layout, settings: RenderSettings, namesp
         annotations={**names.propagated(job.metadata.annotations), **cluster.pod_annotations},
         cluster=cluster,
         gpu_products=tuple(settings.gpu_products.get(cluster.gpu_type, ())),
+        progress_interval=settings.progress_interval,
     )
     spec: dict[str, Any] = {
         "entrypoint": ENTRYPOINT,

@@ -1,5 +1,6 @@
-"""What rendering needs to know about the cluster: its GPU products, the default runtime image, and whether
-(and from where) the Ray pods of each job accept traffic under a NetworkPolicy.
+"""What rendering needs to know about the cluster: its GPU products, the default runtime image, whether (and
+from where) the Ray pods of each job accept traffic under a NetworkPolicy, and how often a running job patches
+its status.progress.
 
 The operator reads these from its environment (the Helm chart sets them); `hybridflow render` reads
 the same variables, so both print the same manifests.
@@ -7,6 +8,7 @@ the same variables, so both print the same manifests.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from typing import Any
 import yaml
 
 from hybridflow._version import __version__
+from hybridflow.k8s.contract import DEFAULT_PROGRESS_INTERVAL, ENV_PROGRESS_INTERVAL
 
 ENV_PREFIX = "HYBRIDFLOW_"
 ENV_GPU_PRODUCTS = f"{ENV_PREFIX}GPU_PRODUCTS"
@@ -53,10 +56,14 @@ class RenderSettings:
     """None: no NetworkPolicy. Otherwise each job gets one: its Ray pods accept traffic only from the job's
     own pods (and KubeRay's submitter pod of the job) and from these NetworkPolicyPeers (the operator,
     KubeRay's operator, ...), set by the chart through HYBRIDFLOW_NETWORK_POLICY_PEERS."""
+    progress_interval: float = DEFAULT_PROGRESS_INTERVAL
+    """Seconds between two status.progress patches of a running job, set in its Ray pods under the same
+    variable: about one API write per running job per interval."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RenderSettings:
-        """From HYBRIDFLOW_GPU_PRODUCTS and HYBRIDFLOW_RUNTIME_IMAGE (the process environment by default)."""
+        """From HYBRIDFLOW_GPU_PRODUCTS, HYBRIDFLOW_RUNTIME_IMAGE, HYBRIDFLOW_NETWORK_POLICY_PEERS and
+        HYBRIDFLOW_PROGRESS_INTERVAL (the process environment by default)."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         if env.get(ENV_GPU_PRODUCTS, "").strip():
@@ -65,7 +72,26 @@ class RenderSettings:
             values["runtime_image"] = env[ENV_RUNTIME_IMAGE]
         if env.get(ENV_NETWORK_POLICY_PEERS, "").strip():
             values["network_policy_peers"] = parse_network_policy_peers(env[ENV_NETWORK_POLICY_PEERS])
+        values["progress_interval"] = progress_interval_from_env(env)
         return cls(**values)  # type: ignore[arg-type]
+
+
+def progress_interval_from_env(environ: Mapping[str, str]) -> float:
+    """HYBRIDFLOW_PROGRESS_INTERVAL: the operator reads it from its own environment and sets it in every Ray pod,
+    where the runtime reads it again."""
+    value = environ.get(ENV_PROGRESS_INTERVAL, "").strip()
+    return positive_number(ENV_PROGRESS_INTERVAL, value) if value else DEFAULT_PROGRESS_INTERVAL
+
+
+def positive_number(name: str, value: str) -> float:
+    """A setting that must be a finite number above 0 (seconds, a rate, a count); `name` is its variable."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not (number > 0 and math.isfinite(number)):
+        raise SettingsError(f"{name} must be a positive number, got {value!r}")
+    return number
 
 
 def parse_gpu_products(value: str) -> dict[str, tuple[str, ...]]:
