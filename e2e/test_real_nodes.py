@@ -28,7 +28,7 @@ from e2e.harness.realcluster import RealNodeCluster, clean_after_dead_cluster, w
 from e2e.harness.realcluster import node_images as node_images_of
 from e2e.realnode_runs import MIN_FINAL_REWARD, TINY_GRPO, JobRun, require_real_nodes
 from hybridflow.k8s import contract, names
-from tests.helpers import condition
+from tests.helpers import condition, env_of, templates_of
 
 pytestmark = pytest.mark.realnodes
 
@@ -167,8 +167,7 @@ def test_tiny_grpo_trains_in_real_pods_to_succeeded(real_cluster: RealNodeCluste
     result.assert_succeeded(MIN_FINAL_REWARD)
     rayjob = real_cluster.get_json("rayjob", result.job["metadata"]["name"], "-n", "real-grpo")
     assert rayjob["status"]["jobStatus"] == "SUCCEEDED"
-    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert {"name": contract.ENV_PROGRESS_INTERVAL, "value": "1"} in head["env"]  # the operator's, as it was started
+    assert env_of(templates_of(rayjob)["head"])[contract.ENV_PROGRESS_INTERVAL] == "1"  # the operator's, as started
     print(f"\nGRPO: apply->first step {result.first_step_s:.1f}s, wall {result.wall_s:.1f}s, "
           f"final reward {result.final_reward:.3f}")
 

@@ -35,7 +35,7 @@ from e2e.harness.realcluster import (
 from e2e.realnode_runs import MIN_FINAL_REWARD, TINY_GRPO, TINY_PPO, JobRun, require_real_nodes
 from hybridflow.k8s import contract
 from hybridflow_operator.install_check import PASSED as INSTALL_CHECK_PASSED
-from tests.helpers import condition
+from tests.helpers import condition, env_of, templates_of
 
 pytestmark = [pytest.mark.realnodes_full, pytest.mark.timeout(1800)]
 
@@ -86,10 +86,8 @@ def test_tiny_ppo_trains_on_the_runtime_image(full_cluster_real: RealNodeCluster
     result.assert_succeeded(MIN_FINAL_REWARD)
     # the chart's progressInterval, through the operator's environment, in every Ray pod of the job
     rayjob = full_cluster_real.get_json("rayjob", result.job["status"]["rayJobName"], "-n", run.namespace)
-    groups = [rayjob["spec"]["rayClusterSpec"]["headGroupSpec"], *rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]]
-    for template in (g["template"] for g in groups):
-        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
-        assert env[contract.ENV_PROGRESS_INTERVAL] == str(OPERATOR_PROGRESS_INTERVAL), env
+    for template in templates_of(rayjob).values():
+        assert env_of(template)[contract.ENV_PROGRESS_INTERVAL] == str(OPERATOR_PROGRESS_INTERVAL), env_of(template)
     print(f"\nPPO on the runtime image: apply->first step {result.first_step_s:.1f}s, wall {result.wall_s:.1f}s, "
           f"final reward {result.final_reward:.3f}")
 

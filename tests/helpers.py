@@ -18,6 +18,18 @@ from typing import Any, NoReturn
 import pytest
 
 
+def templates_of(rayjob: Mapping[str, Any]) -> dict[str, dict]:
+    """A RayJob's Ray pod templates: the head's ("head"), then each worker group's, by group name."""
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    return {"head": cluster["headGroupSpec"]["template"],
+            **{g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}}
+
+
+def env_of(template: Mapping[str, Any]) -> dict[str, str | None]:
+    """Name -> value of the container's variables (None for those taken from a Secret or the pod)."""
+    return {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+
+
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

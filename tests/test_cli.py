@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import EXAMPLES, ROOT
+from tests.helpers import templates_of
 
 
 def hybridflow(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -109,8 +110,7 @@ def test_render_shows_the_jobs_annotations_on_the_rayjob_and_pods(tmp_path, exam
     assert out.returncode == 0, out.stderr
     rayjob = next(d for d in yaml.safe_load_all(out.stdout) if d["kind"] == "RayJob")
     assert rayjob["metadata"]["annotations"]["team.example.com/owner"] == "rl-infra"
-    cluster = rayjob["spec"]["rayClusterSpec"]
-    for template in [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]:
+    for template in templates_of(rayjob).values():
         assert template["metadata"]["annotations"] == {"team.example.com/owner": "rl-infra"}
     assert "last-applied-configuration" not in out.stdout
 

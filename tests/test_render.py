@@ -27,7 +27,7 @@ from hybridflow.k8s.pods import cpu_slots
 from hybridflow.k8s.render import ENTRYPOINT, cluster_hash, render, render_children, render_manifests
 from hybridflow.k8s.settings import DEFAULT_GPU_PRODUCTS, RenderSettings, SettingsError, parse_gpu_products
 from hybridflow_operator.settings import from_env
-from tests.helpers import kuberay_resources, reward_pool_graph
+from tests.helpers import env_of, kuberay_resources, reward_pool_graph, templates_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = RenderSettings()
@@ -55,11 +55,6 @@ def rayjob_of(job: dict, settings: RenderSettings = SETTINGS) -> dict:
 
 def groups_of(rayjob: dict) -> dict[str, dict]:
     return {g["groupName"]: g for g in rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]}
-
-
-def env_of(template: dict) -> dict[str, str | None]:
-    """Name -> value of the container's variables (None for those taken from a Secret or the pod)."""
-    return {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
 
 
 def with_reward_pool(job: dict, *, reward_gpus: float = 0.0) -> dict:
@@ -143,9 +138,7 @@ def test_config_map_job_loads_with_the_api_models(tmp_path: Path) -> None:
 
 def test_pods_mount_the_config_and_run_as_the_runtime_service_account() -> None:
     rayjob = rayjob_of(example())
-    templates = [rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]]
-    templates += [g["template"] for g in groups_of(rayjob).values()]
-    for template in templates:
+    for template in templates_of(rayjob).values():
         assert template["spec"]["serviceAccountName"] == "qwen-gsm8k-ppo-runtime"
         volume = next(v for v in template["spec"]["volumes"] if "configMap" in v)
         assert volume["configMap"]["name"] == "qwen-gsm8k-ppo-config"
@@ -303,9 +296,7 @@ def test_spec_tolerations_and_node_selector_reach_every_pod() -> None:
                                               "effect": "NoSchedule"}]
     job["spec"]["cluster"]["nodeSelector"] = {"pool": "training"}
     rayjob = rayjob_of(job)
-    templates = [rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]]
-    templates += [g["template"] for g in groups_of(rayjob).values()]
-    for template in templates:
+    for template in templates_of(rayjob).values():
         assert {"key": "team", "operator": "Equal", "value": "rl", "effect": "NoSchedule"} \
             in template["spec"]["tolerations"]
         assert template["spec"]["nodeSelector"] == {"pool": "training"}
@@ -708,10 +699,7 @@ def test_default_gpu_map_is_read_only() -> None:
 
 
 def test_every_runtime_variable_set_in_a_pod_is_one_the_runtime_reads() -> None:
-    rayjob = rayjob_of(live(example()))
-    cluster = rayjob["spec"]["rayClusterSpec"]
-    templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
-    for template in templates:
+    for template in templates_of(rayjob_of(live(example()))).values():
         env = env_of(template)
         ours = {k for k in env if k.startswith("HYBRIDFLOW_")}
         assert ours == {contract.ENV_JOB_NAME, contract.ENV_JOB_NAMESPACE, contract.ENV_CONFIG,
@@ -724,18 +712,12 @@ def test_the_operators_progress_interval_reaches_every_ray_pod() -> None:
     """The interval is the operator's setting (the chart's progressInterval), not the job's: the head, where the
     driver reports, and every worker group carry it."""
     settings = RenderSettings.from_env({contract.ENV_PROGRESS_INTERVAL: "0.5"})
-    cluster = rayjob_of(live(example()), settings)["spec"]["rayClusterSpec"]
-    templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
-    assert [env_of(t)[contract.ENV_PROGRESS_INTERVAL] for t in templates] == ["0.5"] * len(templates)
+    templates = templates_of(rayjob_of(live(example()), settings))
+    assert {group: env_of(t)[contract.ENV_PROGRESS_INTERVAL] for group, t in templates.items()} == \
+        dict.fromkeys(templates, "0.5")
 
 
 # -- pod settings of spec.cluster ---------------------------------------------------------------------------
-
-
-def templates_of(rayjob: dict) -> dict[str, dict]:
-    """The head's pod template and each worker group's, by group name."""
-    cluster = rayjob["spec"]["rayClusterSpec"]
-    return {"head": cluster["headGroupSpec"]["template"], **{n: g["template"] for n, g in groups_of(rayjob).items()}}
 
 
 POD_SETTINGS = {

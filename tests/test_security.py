@@ -23,6 +23,7 @@ from hybridflow.k8s import names
 from hybridflow.k8s.render import render_children, render_manifests
 from hybridflow.k8s.settings import RenderSettings, SettingsError, parse_network_policy_peers
 from hybridflow_operator.apply import LEADING_KINDS
+from tests.helpers import templates_of
 
 ROOT = Path(__file__).resolve().parents[1]
 UID = "7c9e6679-7425-40de-944b-e07fc1f90ae7"
@@ -45,8 +46,7 @@ def by_kind(children: list[dict]) -> dict[str, dict]:
 
 
 def ray_containers(rayjob: dict) -> list[dict]:
-    cluster = rayjob["spec"]["rayClusterSpec"]
-    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    templates = list(templates_of(rayjob).values())
     if "submitterPodTemplate" in rayjob["spec"]:
         templates.append(rayjob["spec"]["submitterPodTemplate"])
     return [c for t in templates for c in t["spec"]["containers"]]
@@ -173,8 +173,7 @@ def test_the_network_policy_admits_the_jobs_pods_its_submitter_and_the_peers_onl
         KUBERAY_PEER,
     ]
     # it selects every Ray pod of the job: head and workers carry the job label
-    rayjob = by_kind(children)["RayJob"]["spec"]["rayClusterSpec"]
-    for template in [rayjob["headGroupSpec"]["template"], *(g["template"] for g in rayjob["workerGroupSpecs"])]:
+    for template in templates_of(by_kind(children)["RayJob"]).values():
         assert template["metadata"]["labels"][names.JOB_LABEL] == "ppo"
     # created before the RayJob, so no Ray pod runs without it
     kinds = [c["kind"] for c in children]
