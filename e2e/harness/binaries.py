@@ -39,18 +39,18 @@ class Component:
 COMPONENTS: dict[str, Component] = {
     c.name: c
     for c in (
-        Component("etcd", "etcd", "go.etcd.io/etcd/server/v3", "etcd"),
+        Component("etcd", "kubernetes", "go.etcd.io/etcd/server/v3", "etcd"),
         Component("kube-apiserver", "kubernetes", "k8s.io/kubernetes", "kube-apiserver"),
         Component("kube-controller-manager", "kubernetes", "k8s.io/kubernetes", "kube-controller-manager"),
         Component("kube-scheduler", "kubernetes", "k8s.io/kubernetes", "kube-scheduler"),
         Component("kwok", "kwok", "sigs.k8s.io/kwok", "kwok"),
-        Component("kuberay", "kuberay", KUBERAY_MODULE, "ray-operator"),
-        Component("kuberay-crds", "kuberay", KUBERAY_MODULE, None, cache_name="kuberay"),
-        Component("helm", "helm", "helm.sh/helm/v3", "helm"),
+        Component("kuberay", "kubernetes", KUBERAY_MODULE, "ray-operator"),
+        Component("kuberay-crds", "kubernetes", KUBERAY_MODULE, None, cache_name="kuberay"),
+        Component("helm", "kubernetes", "helm.sh/helm/v3", "helm"),
         Component("kubectl", "kubernetes", "k8s.io/kubernetes", "kubectl"),
         Component("kubelet", "kubernetes", "k8s.io/kubernetes", "kubelet"),
         Component("kube-proxy", "kubernetes", "k8s.io/kubernetes", "kube-proxy"),
-        Component("coredns", "coredns", "github.com/coredns/coredns", "coredns"),
+        Component("coredns", "kubernetes", "github.com/coredns/coredns", "coredns"),
     )
 }
 MINIMAL = ("etcd", "kube-apiserver")
@@ -79,7 +79,7 @@ def version(component: str) -> str:
     """The version the component's wrapper go.mod pins (the single source of truth)."""
     c = COMPONENTS[component]
     text = (TOOLCHAIN_DIR / c.wrapper / "go.mod").read_text()
-    match = re.search(rf"^\s*(?:require\s+)?{re.escape(c.module)}\s+(v\S+)", text, re.MULTILINE)
+    match = re.search(rf"^\s*(?:require\s+)?{re.escape(c.module)}[ \t]+(v\S+)", text, re.MULTILINE)
     if not match:
         raise MissingBinariesError(f"{c.wrapper}/go.mod does not require {c.module}")
     return match.group(1)

@@ -10,7 +10,8 @@
 # real-node tier); kuberay-crds (only KubeRay's CRDs, from its Go module: seconds, not minutes).
 # Each lands in ${HYBRIDFLOW_CACHE:-$HOME/.cache/hybridflow}/bin/<component>-<version>/<binary>;
 # a binary already there is not rebuilt, so a warm run takes seconds. Versions come from the
-# wrapper modules next to this script (one per upstream, because their k8s.io pins differ).
+# wrapper modules next to this script: kubernetes/ pins everything built against k8s.io v0.34, so
+# the packages they share compile once; kwok/ pins kwok, whose release needs k8s.io v0.33.
 # Builds run one after another: on small machines the linker's memory peak is what matters.
 set -euo pipefail
 
@@ -56,14 +57,14 @@ module_version() {
 # spec COMPONENT: prints "wrapper-dir module package binary" for a component.
 spec() {
   case $1 in
-    etcd) echo "etcd go.etcd.io/etcd/server/v3 go.etcd.io/etcd/server/v3 etcd" ;;
+    etcd) echo "kubernetes go.etcd.io/etcd/server/v3 go.etcd.io/etcd/server/v3 etcd" ;;
     kube-apiserver | kube-controller-manager | kube-scheduler | kubectl | kubelet | kube-proxy)
       echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/$1 $1" ;;
     kwok) echo "kwok sigs.k8s.io/kwok sigs.k8s.io/kwok/cmd/kwok kwok" ;;
     kuberay | kuberay-crds)
-      echo "kuberay github.com/ray-project/kuberay/ray-operator github.com/ray-project/kuberay/ray-operator ray-operator" ;;
-    helm) echo "helm helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm helm" ;;
-    coredns) echo "coredns github.com/coredns/coredns github.com/coredns/coredns coredns" ;;
+      echo "kubernetes github.com/ray-project/kuberay/ray-operator github.com/ray-project/kuberay/ray-operator ray-operator" ;;
+    helm) echo "kubernetes helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm helm" ;;
+    coredns) echo "kubernetes github.com/coredns/coredns github.com/coredns/coredns coredns" ;;
     *)
       echo "build.sh: unknown component '$1' (known: ${ALL[*]} ${NODE[*]} kuberay-crds, or the group 'node')" >&2
       exit 2
@@ -108,7 +109,7 @@ ensure_kuberay_crds() {
     return
   fi
   local start=$SECONDS
-  copy_kuberay_crds kuberay github.com/ray-project/kuberay/ray-operator "$dest.tmp"
+  copy_kuberay_crds kubernetes github.com/ray-project/kuberay/ray-operator "$dest.tmp"
   rm -rf "$dest" && mv "$dest.tmp" "$dest"
   echo "kuberay-crds $1: copied in $((SECONDS - start))s -> $dest"
 }
