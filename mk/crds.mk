@@ -7,8 +7,8 @@
 #   make chart-lint  helm lint the chart, cluster-wide and namespaced, and render it
 
 CHART_DIR ?= charts/hybridflow
-# helm is built from its Go module by e2e/toolchain/build.sh, at the version e2e/toolchain/kubernetes/go.mod pins.
-HELM_VERSION := $(shell awk '$$1 == "helm.sh/helm/v3" && $$2 ~ /^v/ { print $$2; exit }' e2e/toolchain/kubernetes/go.mod 2>/dev/null)
+# helm is built from its Go module by e2e/toolchain/build.sh, at the version its wrapper go.mod pins.
+HELM_VERSION := $(shell bash e2e/toolchain/build.sh --version helm 2>/dev/null)
 HELM_BUILT := $(HYBRIDFLOW_CACHE)/bin/helm-$(HELM_VERSION)/helm
 # Such a build assumes Kubernetes 1.20 when no cluster is asked; the chart needs 1.29+ (CEL rules).
 KUBE_VERSION ?= 1.34.0

@@ -7,8 +7,8 @@ then $KUBEBUILDER_ASSETS/<binary>, then the version-keyed cache that build.sh fi
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -22,37 +22,30 @@ BUILD_SCRIPT = TOOLCHAIN_DIR / "build.sh"
 BUILD_TIMEOUT_S = 3 * 3600  # a cold build of everything on 2 cores takes well under an hour
 
 
-KUBERAY_MODULE = "github.com/ray-project/kuberay/ray-operator"
+COMPONENTS_TABLE = TOOLCHAIN_DIR / "components.tsv"
 
 
 @dataclass(frozen=True)
 class Component:
-    """One buildable component: where its version is pinned and what it yields."""
+    """One buildable component (a row of e2e/toolchain/components.tsv, which build.sh reads too)."""
 
     name: str
-    wrapper: str  # directory under e2e/toolchain holding the pinning go.mod
-    module: str
+    wrapper: str  # directory under e2e/toolchain whose go.mod pins the version
+    module: str  # the module whose version that is
+    package: str  # what `go build` builds
     binary: str | None  # None: not a binary (kuberay-crds: KubeRay's CRD YAML from its module)
-    cache_name: str = ""  # directory stem in the cache when it differs from `name`
+    cache_name: str  # directory stem in the cache, before -<version>
+    group: str  # control, node (a real kubelet node) or crds
 
 
-COMPONENTS: dict[str, Component] = {
-    c.name: c
-    for c in (
-        Component("etcd", "kubernetes", "go.etcd.io/etcd/server/v3", "etcd"),
-        Component("kube-apiserver", "kubernetes", "k8s.io/kubernetes", "kube-apiserver"),
-        Component("kube-controller-manager", "kubernetes", "k8s.io/kubernetes", "kube-controller-manager"),
-        Component("kube-scheduler", "kubernetes", "k8s.io/kubernetes", "kube-scheduler"),
-        Component("kwok", "kwok", "sigs.k8s.io/kwok", "kwok"),
-        Component("kuberay", "kubernetes", KUBERAY_MODULE, "ray-operator"),
-        Component("kuberay-crds", "kubernetes", KUBERAY_MODULE, None, cache_name="kuberay"),
-        Component("helm", "kubernetes", "helm.sh/helm/v3", "helm"),
-        Component("kubectl", "kubernetes", "k8s.io/kubernetes", "kubectl"),
-        Component("kubelet", "kubernetes", "k8s.io/kubernetes", "kubelet"),
-        Component("kube-proxy", "kubernetes", "k8s.io/kubernetes", "kube-proxy"),
-        Component("coredns", "kubernetes", "github.com/coredns/coredns", "coredns"),
-    )
-}
+def _read_components() -> dict[str, Component]:
+    rows = [line.split("\t") for line in COMPONENTS_TABLE.read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    return {name: Component(name, wrapper, module, package, None if binary == "-" else binary, cache, group)
+            for name, wrapper, module, package, binary, cache, group in rows}
+
+
+COMPONENTS: dict[str, Component] = _read_components()
 MINIMAL = ("etcd", "kube-apiserver")
 FULL = (
     "etcd",
@@ -63,7 +56,7 @@ FULL = (
     "kuberay",
     "kuberay-crds",
 )
-NODE = ("kubelet", "kube-proxy", "coredns")  # a real kubelet node (build.sh's group `node`)
+NODE = tuple(name for name, c in COMPONENTS.items() if c.group == "node")  # a real kubelet node
 
 
 class MissingBinariesError(RuntimeError):
@@ -75,20 +68,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HYBRIDFLOW_CACHE") or Path.home() / ".cache" / "hybridflow")
 
 
+@functools.cache
 def version(component: str) -> str:
-    """The version the component's wrapper go.mod pins (the single source of truth)."""
-    c = COMPONENTS[component]
-    text = (TOOLCHAIN_DIR / c.wrapper / "go.mod").read_text()
-    match = re.search(rf"^\s*(?:require\s+)?{re.escape(c.module)}[ \t]+(v\S+)", text, re.MULTILINE)
-    if not match:
-        raise MissingBinariesError(f"{c.wrapper}/go.mod does not require {c.module}")
-    return match.group(1)
+    """The version the component's wrapper go.mod pins, as build.sh reads it (`build.sh --version`)."""
+    result = subprocess.run(["bash", str(BUILD_SCRIPT), "--version", component], capture_output=True, text=True,
+                            check=False)
+    if result.returncode != 0 or not result.stdout.strip():
+        raise MissingBinariesError(result.stderr.strip() or f"{BUILD_SCRIPT} --version {component} printed nothing")
+    return result.stdout.strip()
 
 
 def cached_dir(component: str) -> Path:
     """Where build.sh puts a component: keyed by version so upgrades never mix."""
     c = COMPONENTS[component]
-    return cache_dir() / "bin" / f"{c.cache_name or c.name}-{version(component)}"
+    return cache_dir() / "bin" / f"{c.cache_name}-{version(component)}"
 
 
 def _env_override(binary: str) -> Path | None:

@@ -13,7 +13,7 @@
 #   KIND_CLUSTER_NAME  cluster name (default hybridflow-e2e); an existing cluster of that name is reused
 #   KIND_NODE_IMAGE    node image, e.g. kindest/node:v1.34.0 (default: kind's); the chart needs >= 1.29
 #   KEEP_CLUSTER=1     keep a cluster this script created (default: delete it at the end)
-#   KUBERAY_VERSION    KubeRay chart version (default: the one e2e/toolchain/kubernetes/go.mod pins)
+#   KUBERAY_VERSION    KubeRay chart version (default: the one `e2e/toolchain/build.sh --version kuberay` gives)
 #   PYTHON             interpreter with hybridflow and pytest (default .venv/bin/python)
 #   PYTEST_ARGS        extra arguments for pytest
 set -euo pipefail
@@ -21,7 +21,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CLUSTER="${KIND_CLUSTER_NAME:-hybridflow-e2e}"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
-KUBERAY_VERSION="${KUBERAY_VERSION:-$(awk '$1 == "github.com/ray-project/kuberay/ray-operator" && $2 ~ /^v/ { sub(/^v/, "", $2); print $2; exit }' "$ROOT/e2e/toolchain/kubernetes/go.mod")}"
+KUBERAY_VERSION="${KUBERAY_VERSION:-$(bash "$ROOT/e2e/toolchain/build.sh" --version kuberay 2>/dev/null | sed 's/^v//')}"
 RELEASE=hybridflow
 RELEASE_NAMESPACE=hybridflow-system
 IMAGE_REPOSITORY=docker.io/hybridflow/operator
@@ -38,7 +38,7 @@ for tool in docker kind kubectl helm; do
 done
 docker info >/dev/null 2>&1 || die "the Docker daemon is not reachable (docker info failed)"
 [ -x "$PYTHON" ] || die "$PYTHON not found: run 'make venv' first, or set PYTHON"
-[ -n "$KUBERAY_VERSION" ] || die "cannot read the KubeRay version from e2e/toolchain/kubernetes/go.mod: set KUBERAY_VERSION"
+[ -n "$KUBERAY_VERSION" ] || die "cannot read the KubeRay version (e2e/toolchain/build.sh --version kuberay): set KUBERAY_VERSION"
 
 mkdir -p "$STATE_DIR"
 export KUBECONFIG="$STATE_DIR/$CLUSTER.kubeconfig"  # every kubectl and helm below talks to this cluster only

@@ -4,29 +4,30 @@
 #   e2e/toolchain/build.sh [component...]          (default: all components)
 #   e2e/toolchain/build.sh --fetch [component...]  only download the Go modules the missing ones need
 #                                                  (network, no compiling, no lock: CI runs it early)
+#   e2e/toolchain/build.sh --version COMPONENT     the version its wrapper pins (no Go needed)
 #
-# Components: etcd kube-apiserver kube-controller-manager kube-scheduler kwok kuberay helm kubectl
-# (a client matching the server's version); kubelet kube-proxy coredns (the group `node`: the
-# real-node tier); kuberay-crds (only KubeRay's CRDs, from its Go module: seconds, not minutes).
-# Each lands in ${HYBRIDFLOW_CACHE:-$HOME/.cache/hybridflow}/bin/<component>-<version>/<binary>;
-# a binary already there is not rebuilt, so a warm run takes seconds. Versions come from the
-# wrapper modules next to this script: kubernetes/ pins everything built against k8s.io v0.34, so
-# the packages they share compile once; kwok/ pins kwok, whose release needs k8s.io v0.33.
+# Components (components.tsv, next to this script): etcd kube-apiserver kube-controller-manager
+# kube-scheduler kwok kuberay helm kubectl (a client matching the server's version); kubelet kube-proxy
+# coredns (the group `node`: the real-node tier); kuberay-crds (only KubeRay's CRDs, from its Go
+# module: seconds, not minutes). Each lands in
+# ${HYBRIDFLOW_CACHE:-$HOME/.cache/hybridflow}/bin/<component>-<version>/<binary>; a binary already
+# there is not rebuilt, so a warm run takes seconds. Versions come from the wrapper modules next to
+# this script: kubernetes/ pins everything built against k8s.io v0.34, so the packages they share
+# compile once; kwok/ pins kwok, whose release needs k8s.io v0.33.
 # Builds run one after another: on small machines the linker's memory peak is what matters.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CACHE=${HYBRIDFLOW_CACHE:-$HOME/.cache/hybridflow}
 BIN_ROOT=$CACHE/bin
-ALL=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok kuberay helm kubectl)
-NODE=(kubelet kube-proxy coredns)
+COMPONENTS=$HERE/components.tsv
 
 export CGO_ENABLED=0
 # A fresh machine may have an older Go: let it fetch the toolchain a module asks for.
 export GOTOOLCHAIN=${GOTOOLCHAIN:-auto}
 
 usage() {
-  sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 find_go() {
@@ -39,7 +40,6 @@ find_go() {
     exit 2
   fi
 }
-GO=$(find_go)
 
 # module_version DIR MODULE: the version DIR/go.mod requires for MODULE.
 module_version() {
@@ -54,22 +54,28 @@ module_version() {
   echo "$version"
 }
 
-# spec COMPONENT: prints "wrapper-dir module package binary" for a component.
+# group NAME: the components of a group in components.tsv (control, node).
+group() {
+  awk -F'\t' -v g="$1" '!/^#/ && $7 == g { print $1 }' "$COMPONENTS"
+}
+
+# spec COMPONENT: prints "wrapper-dir module package binary cache" for a component (components.tsv).
 spec() {
-  case $1 in
-    etcd) echo "kubernetes go.etcd.io/etcd/server/v3 go.etcd.io/etcd/server/v3 etcd" ;;
-    kube-apiserver | kube-controller-manager | kube-scheduler | kubectl | kubelet | kube-proxy)
-      echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/$1 $1" ;;
-    kwok) echo "kwok sigs.k8s.io/kwok sigs.k8s.io/kwok/cmd/kwok kwok" ;;
-    kuberay | kuberay-crds)
-      echo "kubernetes github.com/ray-project/kuberay/ray-operator github.com/ray-project/kuberay/ray-operator ray-operator" ;;
-    helm) echo "kubernetes helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm helm" ;;
-    coredns) echo "kubernetes github.com/coredns/coredns github.com/coredns/coredns coredns" ;;
-    *)
-      echo "build.sh: unknown component '$1' (known: ${ALL[*]} ${NODE[*]} kuberay-crds, or the group 'node')" >&2
-      exit 2
-      ;;
-  esac
+  local row
+  row=$(awk -F'\t' -v c="$1" '!/^#/ && $1 == c { print $2, $3, $4, $5, $6; exit }' "$COMPONENTS")
+  if [[ -z $row ]]; then
+    echo "build.sh: unknown component '$1' (known: $(awk -F'\t' '!/^#/ { printf "%s ", $1 }' "$COMPONENTS")or the group 'node')" >&2
+    exit 2
+  fi
+  echo "$row"
+}
+
+# component_version COMPONENT: the version its wrapper's go.mod pins.
+component_version() {
+  local row wrapper module rest
+  row=$(spec "$1") || exit 2
+  read -r wrapper module rest <<<"$row"
+  module_version "$wrapper" "$module"
 }
 
 # ldflags COMPONENT VERSION: version stamps, so `--version` reports the real release.
@@ -103,7 +109,9 @@ copy_kuberay_crds() {
 
 # ensure_kuberay_crds VERSION: the CRDs alone, next to where the kuberay binary goes.
 ensure_kuberay_crds() {
-  local dest=$BIN_ROOT/kuberay-$1/crds
+  local cache
+  read -r _ _ _ _ cache <<<"$(spec kuberay-crds)"
+  local dest=$BIN_ROOT/$cache-$1/crds
   if [[ -f $dest/ray.io_rayjobs.yaml ]]; then
     echo "kuberay-crds $1: present ($dest)"
     return
@@ -115,14 +123,14 @@ ensure_kuberay_crds() {
 }
 
 build_one() {
-  local component=$1 wrapper module pkg binary version dest
-  read -r wrapper module pkg binary <<<"$(spec "$component")"
+  local component=$1 wrapper module pkg binary cache version dest
+  read -r wrapper module pkg binary cache <<<"$(spec "$component")"
   version=$(module_version "$wrapper" "$module")
   if [[ $component == kuberay-crds ]]; then
     ensure_kuberay_crds "$version"
     return
   fi
-  dest=$BIN_ROOT/$component-$version
+  dest=$BIN_ROOT/$cache-$version
   if [[ -x $dest/$binary && ($component != kuberay || -f $dest/crds/ray.io_rayjobs.yaml) ]]; then
     echo "$component $version: present ($dest/$binary)"
     return
@@ -142,10 +150,10 @@ build_one() {
 
 # fetch_one COMPONENT: download the modules its packages need (go list resolves, and fetches, without compiling).
 fetch_one() {
-  local component=$1 wrapper module pkg binary version
-  read -r wrapper module pkg binary <<<"$(spec "$component")"
+  local component=$1 wrapper module pkg binary cache version
+  read -r wrapper module pkg binary cache <<<"$(spec "$component")"
   version=$(module_version "$wrapper" "$module")
-  [[ $component == kuberay-crds || ! -x $BIN_ROOT/$component-$version/$binary ]] || return 0
+  [[ $component == kuberay-crds || ! -x $BIN_ROOT/$cache-$version/$binary ]] || return 0
   (cd "$HERE/$wrapper" && "$GO" list -deps -f '' "$pkg" >/dev/null)
 }
 
@@ -154,6 +162,12 @@ main() {
     usage
     return
   fi
+  if [[ ${1:-} == --version ]]; then
+    [[ $# -eq 2 ]] || { echo "build.sh: --version takes one component" >&2; exit 2; }
+    component_version "$2"
+    return
+  fi
+  GO=$(find_go)
   local fetch=0
   if [[ ${1:-} == --fetch ]]; then
     fetch=1
@@ -161,9 +175,9 @@ main() {
   fi
   local components=()
   for c in "$@"; do
-    if [[ $c == node ]]; then components+=("${NODE[@]}"); else components+=("$c"); fi
+    if [[ $c == node ]]; then mapfile -t -O "${#components[@]}" components < <(group node); else components+=("$c"); fi
   done
-  [[ ${#components[@]} -gt 0 ]] || components=("${ALL[@]}" "${NODE[@]}")
+  [[ ${#components[@]} -gt 0 ]] || mapfile -t components < <(group control; group node)
   for c in "${components[@]}"; do spec "$c" >/dev/null; done
   if ((fetch)); then
     local start=$SECONDS
