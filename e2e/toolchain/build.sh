@@ -109,15 +109,15 @@ copy_kuberay_crds() {
 
 # ensure_kuberay_crds VERSION: the CRDs alone, next to where the kuberay binary goes.
 ensure_kuberay_crds() {
-  local cache
-  read -r _ _ _ _ cache <<<"$(spec kuberay-crds)"
+  local wrapper module cache
+  read -r wrapper module _ _ cache <<<"$(spec kuberay-crds)"
   local dest=$BIN_ROOT/$cache-$1/crds
   if [[ -f $dest/ray.io_rayjobs.yaml ]]; then
     echo "kuberay-crds $1: present ($dest)"
     return
   fi
   local start=$SECONDS
-  copy_kuberay_crds kubernetes github.com/ray-project/kuberay/ray-operator "$dest.tmp"
+  copy_kuberay_crds "$wrapper" "$module" "$dest.tmp"
   rm -rf "$dest" && mv "$dest.tmp" "$dest"
   echo "kuberay-crds $1: copied in $((SECONDS - start))s -> $dest"
 }
