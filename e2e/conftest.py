@@ -9,7 +9,9 @@ and the KubeRay operator. Both are session-scoped and started on first use.
 
 Missing binaries are built with e2e/toolchain/build.sh when Go is installed: right after
 collection, in the background at a lower CPU priority, while the tests that need no binaries run
-first; the first test that needs them waits for the build before its timeout starts. Without Go
+first; the first test that needs them waits for the build before its timeout starts. A build
+already running at collection (.ci/run starts one while the venv installs) is waited for the same
+way, and what it left out is built then. Without Go
 the tests skip with instructions, except under CI=true, where they must run: there a missing Go
 or a failed build fails those tests.
 """
@@ -57,6 +59,7 @@ class Plan:
     full_wanted: bool = False
     full: bool = False
     build: binaries.BackgroundBuild | None = None
+    build_elsewhere: bool = False  # another process was building at collection
     settled: bool = False
     skip_reason: str | None = None  # set when even the minimal control plane is unavailable
     full_skip_reason: str | None = None
@@ -111,19 +114,29 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if not plan.wanted:
         return
     items[:] = binaries_last(items)
-    absent = binaries.missing(plan.wanted)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if binaries.build_running():
+        # .ci/run starts the build before the venv installs: the first test that needs a binary waits for it
+        plan.build_elsewhere = True
+        message = "a control-plane build started before this session is running; the tests that need it go last"
+    else:
+        message = _start_build(plan)
+    if reporter is not None and message:
+        reporter.write_line(message)
+
+
+def _start_build(plan: Plan) -> str | None:
+    """Build the wanted binaries that are missing, in the background; what to tell the user, if anything."""
+    absent = binaries.missing(plan.wanted)  # waits for a build another process is running
     if not absent or not (_may_build() or in_ci()):
-        return
+        return None
     log = binaries.cache_dir() / "bin" / "logs" / f"build-{time.strftime('%Y%m%d-%H%M%S')}.log"
     try:
         plan.build = binaries.BackgroundBuild(tuple(absent), log).start()
     except (binaries.MissingBinariesError, OSError) as exc:
         plan.build_error = f"building the control plane failed: {exc}"
-        return
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"building {', '.join(absent)} in the background (log: {log}); "
-                            "the tests that run them go last")
+        return None
+    return f"building {', '.join(absent)} in the background (log: {log}); the tests that run them go last"
 
 
 def _unavailable(components: tuple[str, ...]) -> str | None:
@@ -144,6 +157,8 @@ class BuildFailed(Exception):
 def _settle(plan: Plan) -> None:
     """Wait for the background build once, then decide what can run."""
     plan.settled = True
+    if plan.build_elsewhere:  # once it ends, build here whatever it left out (a failed build is retried, logged)
+        _start_build(plan)
     try:
         if plan.build is not None:
             plan.build.wait()

@@ -1,11 +1,12 @@
 """The full real-node tier: the images of `make images` and the chart's operator running from its image, faults.
 
 - `helm test` of the release: the chart's test pod finds the CRD Established and the operator Available;
-- tiny PPO from examples/tiny-ppo-job.yaml as written (runtime image, checkpoints on a claim) to Succeeded;
-- a worker pod deleted mid-training: KubeRay replaces it, the run rolls back to its last checkpoint and ends with
-  every step in the metrics exactly once; the recovery time is measured;
-- the operator pod killed mid-run: nothing is duplicated and the status converges;
-- a second job asking for more GPUs than the node has waits Unschedulable without disturbing the first;
+- tiny PPO from examples/tiny-ppo-job.yaml as written (runtime image, checkpoints on a claim) to Succeeded,
+  through these faults:
+  - a second job asking for more GPUs than the node has waits Unschedulable without disturbing the first;
+  - the operator pod killed mid-run: nothing is duplicated and the status converges;
+  - a worker pod deleted mid-training: KubeRay replaces it, the run rolls back to its last checkpoint and ends
+    with every step in the metrics exactly once; the recovery time is measured;
 - the head pod deleted mid-run: the RayJob's retry resubmits on a new cluster, which resumes from the claim.
 
 Marker `realnodes_full`: `make test-real-nodes` runs it (CI does, after `make test`).
@@ -79,23 +80,11 @@ def _operator_pod(cluster: RealNodeCluster) -> str:
     return running[0]
 
 
-def test_tiny_ppo_trains_on_the_runtime_image(full_cluster_real: RealNodeCluster) -> None:
-    """The example as written: the runtime image, the operator from its image, checkpoints on the claim."""
-    run = JobRun(full_cluster_real, _example(TINY_PPO), "full-ppo")
-    result = run.to_end()
-    result.assert_succeeded(MIN_FINAL_REWARD)
-    # the chart's progressInterval, through the operator's environment, in every Ray pod of the job
-    rayjob = full_cluster_real.get_json("rayjob", result.job["status"]["rayJobName"], "-n", run.namespace)
-    for template in templates_of(rayjob).values():
-        assert env_of(template)[contract.ENV_PROGRESS_INTERVAL] == str(OPERATOR_PROGRESS_INTERVAL), env_of(template)
-    print(f"\nPPO on the runtime image: apply->first step {result.first_step_s:.1f}s, wall {result.wall_s:.1f}s, "
-          f"final reward {result.final_reward:.3f}")
-
-
-def test_faults_during_one_ppo_run(full_cluster_real: RealNodeCluster) -> None:
-    """During one run: an oversize job arrives, the operator pod is killed, then a critic worker pod is deleted."""
+def test_tiny_ppo_on_the_runtime_image_through_faults(full_cluster_real: RealNodeCluster) -> None:
+    """The example as written (the runtime image, the operator from its image, checkpoints on the claim) trains
+    to the end while an oversize job arrives, the operator pod is killed, then a critic worker pod is deleted."""
     cluster = full_cluster_real
-    run = JobRun(cluster, _example(TINY_PPO), "faults")
+    run = JobRun(cluster, _example(TINY_PPO), "full-ppo")
     big = _example(TINY_PPO)
     big["metadata"]["name"] = "too-big"
     big["spec"]["cluster"]["workerGroups"] = [{"name": "actor", "replicas": 2, "gpusPerWorker": 8,
@@ -155,8 +144,13 @@ def _faults(cluster: RealNodeCluster, run: JobRun) -> None:
     for kind in ("rayjobs", "configmaps", "serviceaccounts", "roles", "rolebindings"):
         owned = cluster.get_json(kind, "-n", run.namespace, "-l", f"hybridflow.io/job={run.name}")["items"]
         assert len(owned) == 1, (kind, [o["metadata"]["name"] for o in owned])
-    print(f"\nreplaced by {replaced_by}; operator pod {killed} replaced; "
-          f"too-big: {unschedulable[0]['message'][:120]}")
+    # the chart's progressInterval, through the operator's environment, in every Ray pod of the job
+    rayjob = cluster.get_json("rayjob", result.job["status"]["rayJobName"], "-n", run.namespace)
+    for template in templates_of(rayjob).values():
+        assert env_of(template)[contract.ENV_PROGRESS_INTERVAL] == str(OPERATOR_PROGRESS_INTERVAL), env_of(template)
+    print(f"\nPPO on the runtime image: apply->first step {result.first_step_s:.1f}s (before any fault), wall "
+          f"{result.wall_s:.1f}s with the faults, final reward {result.final_reward:.3f}; replaced by {replaced_by}; "
+          f"operator pod {killed} replaced; too-big: {unschedulable[0]['message'][:120]}")
 
 
 def test_head_pod_deleted_mid_run_resumes_from_the_claim(full_cluster_real: RealNodeCluster) -> None:

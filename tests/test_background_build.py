@@ -6,6 +6,7 @@ A stand-in build script (bash, like build.sh) keeps these fast; the lock handlin
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.conftest import binaries_last, wanted_components
+from e2e.conftest import Plan, _start_build, binaries_last, wanted_components
 from e2e.harness import binaries
 
 SLOW_BUILD = """#!/usr/bin/env bash
@@ -75,6 +76,33 @@ def test_a_failed_build_reports_its_exit_code_and_log(tmp_path: Path, cache: Pat
     for _ in range(2):  # every waiter gets the failure, not only the first
         with pytest.raises(binaries.MissingBinariesError, match=r"exit code 7[\s\S]*out of memory"):
             build.wait()
+
+
+ELSEWHERE_BUILD = """#!/usr/bin/env bash
+set -euo pipefail
+mkdir -p "$HYBRIDFLOW_CACHE/bin" && exec 9>"$HYBRIDFLOW_CACHE/bin/.build.lock" && flock 9
+sleep 1.5
+mkdir -p "$1" && printf '#!/bin/sh\\n' > "$1/etcd" && chmod +x "$1/etcd"
+"""
+
+
+def test_a_build_another_process_runs_is_seen_at_once_and_waited_for_before_building(tmp_path: Path,
+                                                                                      cache: Path) -> None:
+    """As .ci/run's build, started before the session: collection must not block on it, the first test that
+    needs a binary waits for it and builds nothing it already built."""
+    assert not binaries.build_running()
+    other = subprocess.Popen(["bash", str(_script(tmp_path, ELSEWHERE_BUILD)), str(binaries.cached_dir("etcd"))])
+    deadline = time.monotonic() + 30
+    while not binaries.build_running():
+        assert other.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    started = time.monotonic()
+    assert binaries.build_running() and time.monotonic() - started < 0.5
+    plan = Plan(wanted=("etcd",), build_elsewhere=True)
+    assert _start_build(plan) is None  # waited for the other build: nothing left to build
+    assert other.poll() == 0 and plan.build is None
+    assert binaries.find("etcd") == binaries.cached_dir("etcd") / "etcd"
+    assert not binaries.build_running()
 
 
 def test_no_lock_file_means_nothing_to_wait_for(cache: Path) -> None:

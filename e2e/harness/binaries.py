@@ -139,6 +139,20 @@ def _lock_path() -> Path:
     return cache_dir() / "bin" / ".build.lock"
 
 
+def build_running() -> bool:
+    """Whether another process builds now (holds build.sh's lock), without waiting for it."""
+    lock = _lock_path()
+    if not lock.exists():
+        return False
+    with lock.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return False
+
+
 def wait_for_running_build() -> None:
     """Block while another process builds (take build.sh's lock, then let it go at once)."""
     lock = _lock_path()

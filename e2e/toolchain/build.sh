@@ -2,8 +2,6 @@
 # Build the binaries of the e2e control plane from their Go modules, once per version.
 #
 #   e2e/toolchain/build.sh [component...]          (default: all components)
-#   e2e/toolchain/build.sh --fetch [component...]  only download the Go modules the missing ones need
-#                                                  (network, no compiling, no lock: CI runs it early)
 #   e2e/toolchain/build.sh --version COMPONENT     the version its wrapper pins (no Go needed)
 #
 # Components (components.tsv, next to this script): etcd kube-apiserver kube-controller-manager
@@ -148,15 +146,6 @@ build_one() {
   fi
 }
 
-# fetch_one COMPONENT: download the modules its packages need (go list resolves, and fetches, without compiling).
-fetch_one() {
-  local component=$1 wrapper module pkg binary cache version
-  read -r wrapper module pkg binary cache <<<"$(spec "$component")"
-  version=$(module_version "$wrapper" "$module")
-  [[ $component == kuberay-crds || ! -x $BIN_ROOT/$cache-$version/$binary ]] || return 0
-  (cd "$HERE/$wrapper" && "$GO" list -deps -f '' "$pkg" >/dev/null)
-}
-
 main() {
   if [[ ${1:-} == -h || ${1:-} == --help ]]; then
     usage
@@ -168,23 +157,12 @@ main() {
     return
   fi
   GO=$(find_go)
-  local fetch=0
-  if [[ ${1:-} == --fetch ]]; then
-    fetch=1
-    shift
-  fi
   local components=()
   for c in "$@"; do
     if [[ $c == node ]]; then mapfile -t -O "${#components[@]}" components < <(group node); else components+=("$c"); fi
   done
   [[ ${#components[@]} -gt 0 ]] || mapfile -t components < <(group control; group node)
   for c in "${components[@]}"; do spec "$c" >/dev/null; done
-  if ((fetch)); then
-    local start=$SECONDS
-    for c in "${components[@]}"; do fetch_one "$c"; done
-    echo "build.sh: modules of ${#components[@]} component(s) fetched in $((SECONDS - start))s"
-    return
-  fi
   mkdir -p "$BIN_ROOT"
   # Two test sessions must not build the same binary at once. A caller that took the lock for us passes
   # its descriptor (HYBRIDFLOW_BUILD_LOCK_FD): holding it open keeps the lock until this script exits.
