@@ -33,10 +33,19 @@ def test_version_is_the_one_its_wrapper_requires(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(n for n, c in binaries.COMPONENTS.items() if c.binary))
-def test_every_binary_is_a_tool_of_its_wrapper(name: str) -> None:
-    """`go mod tidy` keeps only what a tool line needs: a binary missing there would lose its dependencies."""
+def test_every_binary_is_a_tool_or_a_main_package_of_its_wrapper(name: str) -> None:
+    """`go mod tidy` keeps only what a tool line or the wrapper's own packages need: a binary that is neither
+    would lose its dependencies."""
     component = binaries.COMPONENTS[name]
-    assert component.package in _tools(_go_mod(component.wrapper))
+    go_mod = _go_mod(component.wrapper)
+    module = re.search(r"^module (\S+)$", go_mod, re.MULTILINE)
+    assert module is not None
+    own = component.package.removeprefix(module.group(1) + "/")
+    if own != component.package:
+        main = binaries.TOOLCHAIN_DIR / component.wrapper / own / "main.go"
+        assert "package main" in main.read_text()
+    else:
+        assert component.package in _tools(go_mod)
 
 
 def test_node_group_matches_the_real_node_tier() -> None:
