@@ -60,12 +60,6 @@ class RoleActor:
         self.worker.sync_rollout()
         return out, time.perf_counter() - t0
 
-    def timed_call(self, method: str, *args: Any) -> tuple[Any, float]:
-        """`call`, and the seconds it took inside this process."""
-        t0 = time.perf_counter()
-        out = getattr(self.worker, method)(*args)
-        return out, time.perf_counter() - t0
-
 
 @dataclass
 class NaiveResult:

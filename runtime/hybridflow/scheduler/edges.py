@@ -212,24 +212,6 @@ class EdgeChannel:
         peak, self._peak = self._peak, self.queued()
         return peak
 
-    def take_ready(self, timeout: float | None = None) -> list[Any]:
-        """Values of the finished refs, in submission order.
-
-        Waits up to `timeout` seconds for at least one to finish (None: until one does; 0: just look),
-        then takes every ref finished by then. A failed task raises here; its batch is dropped.
-        """
-        if not self._items:
-            return []
-        refs = [it.ref for it in self._items]
-        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
-        if not ready:
-            return []
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        done = set(ready)
-        taken = [it for it in self._items if it.ref in done]
-        self._items = [it for it in self._items if it.ref not in done]
-        return self._collect(taken)
-
     def drain(self) -> list[Any]:
         """Every pending value, in submission order; blocks until all are finished.
 
