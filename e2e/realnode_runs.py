@@ -62,9 +62,6 @@ class RunResult:
     def metrics(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
 
-    def first_step_after(self, t: float) -> float:
-        return next(at for at, _ in self.steps if at > t) - t
-
     def describe(self) -> str:
         return json.dumps(self.job.get("status"), indent=1)[-3000:]
 
