@@ -87,7 +87,6 @@ class Kill:
     title: str | None = None
     trigger: str | None = None
     in_phase: bool = False
-    at_step: int | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -209,7 +208,7 @@ class PhaseKiller:
         still = self._still_in_phase(host, trigger)
         self.watch.mark_kill()
         os.kill(pid, signal.SIGKILL)
-        self.kill = Kill(pid, victim_title, trigger, still, self.watch.tracker.trained_before, self.kill.notes)
+        self.kill = Kill(pid, victim_title, trigger, still, self.kill.notes)
         return True
 
     def _still_in_phase(self, host: int, trigger: str) -> bool:
