@@ -218,6 +218,8 @@ class EdgeChannel:
         Each item's latency is stamped when it finishes, not when the last one does.
         """
         taken, self._items = self._items, []
+        if not taken:
+            return []
         left = [it.ref for it in taken]
         finished: dict[ray.ObjectRef, float] = {}
         while left:
@@ -225,21 +227,15 @@ class EdgeChannel:
             ready, left = ray.wait(left, num_returns=len(left), timeout=0)
             now = self._clock()
             finished.update((r, now) for r in ready)
-        return self._collect(taken, finished)
+        for it in taken:
+            self.latency.add(finished[it.ref] - it.submitted)
+        return ray.get([it.ref for it in taken])
 
     def discard(self) -> int:
         """Forget every pending ref (a step that failed midway left them; their batches are redone), so the
         next step's `drain` returns only its own results. Returns how many were dropped."""
         dropped, self._items = len(self._items), []
         return dropped
-
-    def _collect(self, taken: list[_Item], finished: dict[ray.ObjectRef, float] | None = None) -> list[Any]:
-        if not taken:
-            return []
-        now = self._clock()
-        for it in taken:
-            self.latency.add((finished or {}).get(it.ref, now) - it.submitted)
-        return ray.get([it.ref for it in taken])
 
     def status(self) -> dict[str, Any]:
         return {
