@@ -1,5 +1,5 @@
-"""A tensor-parallel vLLM engine's GPUs: one actor bundle of N GPUs, pods that hold whole engines, and the
-spec and preflight rules on tensorParallelSize."""
+"""A tensor-parallel vLLM engine's GPUs: one actor bundle of N GPUs, pods that hold whole engines, the spec and
+preflight rules on tensorParallelSize, and the engine arguments the rollout spec gives."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from hybridflow.k8s.settings import DEFAULT_GPU_PRODUCTS, RenderSettings
 from hybridflow.plan import graph_problems
 from hybridflow.preflight import preflight, tensor_parallel_problems
 from hybridflow.scheduler.placement import actor_options, plan_placement
+from hybridflow.workers.rollout import vllm_engine_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,3 +135,23 @@ def test_a_written_graph_must_give_the_actor_its_engines_gpus() -> None:
     assert "spec.rollout.tensorParallelSize 2 needs 2 for one vLLM engine" in problem
     written["nodes"][actor]["resources"] = {"GPU": 2}
     assert graph_problems(parse_job(doc).spec) == []
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_engine_gets_its_gpus_share_and_eager_mode_from_the_spec(tp: int) -> None:
+    rollout = parse_job(grpo(tp)).spec.rollout
+    args = vllm_engine_args("/models/policy", rollout, 1536, "bfloat16", 7, on_cpu=False, can_sleep=True,
+                            host_memory_bytes=2**40)
+    assert args["tensor_parallel_size"] == tp
+    assert args["gpu_memory_utilization"] == rollout.gpu_memory_utilization and "kv_cache_memory_bytes" not in args
+    assert args["enable_sleep_mode"] and args["enforce_eager"] is False
+    # a tensor-parallel engine's workers are the actor process's children on its bundle's GPUs
+    assert args["distributed_executor_backend"] == ("mp" if tp > 1 else None)
+
+    doc = grpo(tp)
+    doc["spec"]["rollout"] |= {"enforceEager": True, "gpuMemoryUtilization": 0.25}
+    cpu = vllm_engine_args("/models/policy", parse_job(doc).spec.rollout, 1536, "float32", 7, on_cpu=True,
+                           can_sleep=False, host_memory_bytes=2**30)
+    # on vLLM's CPU build the share is the KV cache's, of host memory
+    assert cpu["kv_cache_memory_bytes"] == 2**28 and "gpu_memory_utilization" not in cpu
+    assert cpu["enforce_eager"] is True and cpu["enable_sleep_mode"] is False

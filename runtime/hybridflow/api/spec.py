@@ -323,6 +323,9 @@ class Rollout(ApiModel):
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     """vLLM's share of each GPU's memory (weights, activations, KV cache); on vLLM's CPU build, the KV cache's share
     of host memory."""
+    enforce_eager: bool = False
+    """vLLM runs the model eagerly: no compiled graph and no CUDA graphs, so an engine starts in a second instead of
+    compiling (tens of seconds), and generates somewhat slower. For debugging and short runs."""
 
     @model_validator(mode="after")
     def _tp_needs_vllm(self) -> Rollout:

@@ -170,6 +170,23 @@ class TorchRollout:
         return moved
 
 
+def vllm_engine_args(model_path: str, cfg: Rollout, max_model_len: int, dtype: str, seed: int, *, on_cpu: bool,
+                     can_sleep: bool, host_memory_bytes: int) -> dict[str, Any]:
+    """The offline engine's arguments for this rollout."""
+    # on the CPU the share is the KV cache's alone: vLLM's own reading of it there subtracts every byte the worker
+    # process holds, which a small share cannot cover
+    memory = ({"kv_cache_memory_bytes": int(cfg.gpu_memory_utilization * host_memory_bytes)} if on_cpu
+              else {"gpu_memory_utilization": cfg.gpu_memory_utilization})
+    return dict(
+        model=model_path, tensor_parallel_size=cfg.tensor_parallel_size, **memory, dtype=dtype, seed=seed,
+        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=cfg.enforce_eager,
+        enable_sleep_mode=can_sleep, worker_extension_cls=VLLM_EXTENSION,
+        # the actor's Ray bundle holds all tensor_parallel_size GPUs: vLLM's workers are this process's children
+        # on them, not Ray actors asking for bundles of their own
+        distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
+    )
+
+
 class VllmRollout:
     """vLLM's offline `LLM` engine, asleep while the policy trains; after each update the trained weights
     stream into every vLLM worker in buckets, through the worker extension's methods (hybridflow.workers.
@@ -188,18 +205,9 @@ class VllmRollout:
         self.max_prompt_length = max_prompt_length
         # vLLM's CPU build has no sleep mode: its weights and KV cache stay in host memory between rollouts
         self.can_sleep = current_platform.is_sleep_mode_available()
-        # on the CPU the share is the KV cache's alone: vLLM's own reading of it there subtracts every byte the
-        # worker process holds, which a small share cannot cover
-        memory = ({"kv_cache_memory_bytes": int(cfg.gpu_memory_utilization * psutil.virtual_memory().total)}
-                  if current_platform.is_cpu() else {"gpu_memory_utilization": cfg.gpu_memory_utilization})
-        self.llm = LLM(
-            model=model_path, tensor_parallel_size=cfg.tensor_parallel_size, **memory, dtype=dtype, seed=seed,
-            max_model_len=max_prompt_length + max_response_length, enable_prefix_caching=True,
-            enable_sleep_mode=self.can_sleep, worker_extension_cls=VLLM_EXTENSION,
-            # the actor's Ray bundle holds all tensor_parallel_size GPUs: vLLM's workers are this process's
-            # children on them, not Ray actors asking for bundles of their own
-            distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
-        )
+        self.llm = LLM(**vllm_engine_args(model_path, cfg, max_prompt_length + max_response_length, dtype, seed,
+                                          on_cpu=current_platform.is_cpu(), can_sleep=self.can_sleep,
+                                          host_memory_bytes=psutil.virtual_memory().total))
         self.max_response_length = max_response_length
         self.dtype: torch.dtype = getattr(torch, dtype)
         self.params = self._params(Sampling.of(cfg), None)
