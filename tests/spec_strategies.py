@@ -370,6 +370,13 @@ def evaluation(draw: st.DrawFn, spec: dict[str, Any]) -> None:
         "samplesPerPrompt": st.sampled_from([1, 2, 4])}))
 
 
+def lr_schedule(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    """optimizer.minLrRatio above 0 needs schedule cosine."""
+    _section(spec, "trainer")["optimizer"] = draw(st.fixed_dictionaries({}, optional={
+        "schedule": st.sampled_from(["constant", "cosine"]), "minLrRatio": st.sampled_from([0.0, 0.1, 1.0]),
+        "warmupSteps": st.sampled_from([0, 5])}))
+
+
 def export_adapters(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     """adapters 'separate' needs model.policy.lora."""
     _section(spec, "trainer")["export"] = {"path": "/out", "adapters": draw(st.sampled_from(["merge", "separate"]))}
@@ -457,7 +464,7 @@ def job_name(draw: st.DrawFn, doc: dict[str, Any]) -> None:
 
 
 RULES: list[Callable[[st.DrawFn, dict[str, Any]], None]] = [
-    group_samples, mini_batch, reward_model, rollout_engine, evaluation, export_adapters, replicas, graph,
+    group_samples, mini_batch, reward_model, rollout_engine, evaluation, lr_schedule, export_adapters, replicas, graph,
     pod_settings,
 ]
 

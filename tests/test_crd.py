@@ -582,6 +582,11 @@ REJECTED = [
         "eval.temperature and eval.samplesPerPrompt above 1 need eval.greedy false",
     ),
     (
+        "min-lr-without-cosine",
+        {"trainer": {"optimizer": {"warmupSteps": 5, "minLrRatio": 0.1}}},
+        "optimizer.minLrRatio is where schedule cosine ends: it needs optimizer.schedule cosine",
+    ),
+    (
         "separate-adapters-without-lora",
         {"trainer": {"export": {"path": "/out", "adapters": "separate"}}},
         "trainer.export.adapters 'separate' needs model.policy.lora",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridflow.data.tiny import ensure_tiny_model
-from hybridflow.workers.decoding import Sampling, compacts, next_tokens, nucleus, sample
+from hybridflow.workers.decoding import Sampling, compacts, next_tokens, nucleus, sample, top_k
 from hybridflow.workers.modeling import load_causal_lm, load_tokenizer
 from hybridflow.workers.rollout import left_pad
 
@@ -94,6 +94,28 @@ def test_drawn_tokens_follow_the_tempered_nucleus(temperature: float, top_p: flo
         want[2:] = 0.0  # 0.4 + 0.3 reach 0.65
     want /= want.sum()
     assert torch.allclose(freq, want, atol=4 * (0.25 / draws) ** 0.5)
+
+
+def test_top_k_keeps_the_k_largest_logits_and_their_ties() -> None:
+    logits = torch.tensor([[0.1, 2.0, -1.0, 0.5], [3.0, 0.0, 3.0, 1.0]])
+    kept = [torch.isfinite(top_k(logits, k)).tolist() for k in (1, 2, 0)]
+    assert kept == [[[False, True, False, False], [True, False, True, False]],
+                    [[False, True, False, True], [True, False, True, False]],
+                    [[True] * 4, [True] * 4]]
+
+
+@pytest.mark.parametrize(("k", "top_p", "want"), [(2, 1.0, [4, 3, 0, 0]), (3, 0.75, [4, 3, 0, 0]),
+                                                  (4, 0.75, [4, 3, 2, 0])])
+def test_drawn_tokens_follow_the_top_k_then_the_nucleus_of_those(k: int, top_p: float, want: list[float]) -> None:
+    """The nucleus is taken over the k tokens' renormalised probabilities: of 0.4, 0.3, 0.2 (4/9, 3/9, 2/9) two
+    reach 0.75, where over all four tokens it takes three."""
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    draws = 40_000
+    torch.manual_seed(0)
+    tokens = next_tokens(probs.log().expand(draws, 4), Sampling(1.0, top_p, k))
+    freq = torch.bincount(tokens, minlength=4).double() / draws
+    expected = torch.tensor(want, dtype=torch.double) / sum(want)
+    assert torch.allclose(freq, expected, atol=4 * (0.25 / draws) ** 0.5)
 
 
 def test_greedy_is_the_argmax() -> None:

@@ -319,6 +319,8 @@ class Rollout(ApiModel):
     samples_per_prompt: int = Field(1, ge=1, le=1024)
     temperature: float = Field(1.0, ge=0.0, le=10.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=10_000_000)
+    """Sample among the k most probable tokens only (before topP); 0: every token."""
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     """vLLM's share of each GPU's memory (weights, activations, KV cache); on vLLM's CPU build, the KV cache's share
@@ -443,6 +445,40 @@ class Training(ApiModel):
     a full replica per rank and all-reduces the gradients."""
 
 
+_MIN_LR_IS_COSINES = "optimizer.minLrRatio is where schedule cosine ends: it needs optimizer.schedule cosine"
+
+
+class Optimizer(ApiModel):
+    """AdamW's settings for the actor and the critic, beside their learning rates (actorLr, criticLr)."""
+
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel(
+                "!has(self.minLrRatio) || self.minLrRatio == 0.0 || (has(self.schedule) && self.schedule == 'cosine')",
+                _MIN_LR_IS_COSINES,
+                ".minLrRatio",
+            )
+        )
+    )
+
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    """Decoupled weight decay: every optimiser step also multiplies each trained weight by 1 - lr x weightDecay."""
+    warmup_steps: int = Field(0, ge=0, le=10_000_000)
+    """Training steps over which the learning rate ramps up linearly: step k of the first N (from 1) trains at k/N
+    of it."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """The learning rate after the warm-up: `constant`, or `cosine`, falling along half a cosine from the full rate
+    to minLrRatio of it at spec.trainer.totalSteps."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Where the cosine ends, as a share of the learning rate; only with schedule cosine."""
+
+    @model_validator(mode="after")
+    def _min_lr_is_cosines(self) -> Optimizer:
+        if self.min_lr_ratio and self.schedule != "cosine":
+            raise ValueError(_MIN_LR_IS_COSINES)
+        return self
+
+
 class Trainer(ApiModel):
     total_steps: int = Field(20, ge=1, le=10_000_000)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
@@ -451,6 +487,8 @@ class Trainer(ApiModel):
     actor_lr: float = Field(1e-5, gt=0.0)
     critic_lr: float = Field(1e-5, gt=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
+    optimizer: Optimizer = Field(default_factory=Optimizer)
+    """Weight decay and the learning-rate schedule of the actor and critic (AdamW)."""
     worker_max_restarts: int = Field(3, ge=0)
     """Ray restarts a dead worker or controller up to this many times."""
     loggers: Loggers = Field(default_factory=Loggers)

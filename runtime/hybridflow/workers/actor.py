@@ -20,6 +20,7 @@ from hybridflow.plan import (
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
 from hybridflow.workers.decoding import Sampling
 from hybridflow.workers.footprint import training_footprint
+from hybridflow.workers.lr_schedule import learning_rate
 from hybridflow.workers.modeling import (
     EntropyUse,
     check_model_dir,
@@ -86,7 +87,8 @@ class ActorRolloutWorker:
         self.tokenizer = load_tokenizer(self.path)
         self.model = load_policy(spec.model.policy, device)
         self.training = RoleTraining(self.model, lr=spec.trainer.actor_lr, options=spec.trainer.training,
-                                     device=device, keep_copy=policy_copy_read_between_updates(spec, lag, scored))
+                                     device=device, keep_copy=policy_copy_read_between_updates(spec, lag, scored),
+                                     weight_decay=spec.trainer.optimizer.weight_decay)
         self.old_in_step = STEP_OF_ROLE["actor_rollout"].name in scored
         self.rollout = make_rollout(
             spec.rollout.engine, self.model, self.path, self.tokenizer, spec.rollout,
@@ -201,12 +203,15 @@ class ActorRolloutWorker:
             metrics.update(actor_loss=loss.item(), entropy=entropy.item())
             return total, metrics
 
+        lr = learning_rate(self.spec.trainer.actor_lr, self.version, self.spec.trainer)
+        self.training.set_lr(lr)
         out = train_epochs(self.training, batch, loss_fn, epochs=algo.ppo_epochs,
                            steps_per_epoch=optimizer_steps(self.spec), shuffle=self.shuffle,
                            max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device,
                            limits=self.spec.trainer.training, agg=algo.loss_agg)
         self.version += 1
         out["actor_grad_norm"] = out.pop("grad_norm")
+        out["actor_lr"] = lr
         out["policy_lag"] = float(lag)
         footprint = training_footprint(self.model, self.training.layout.optimizer, self.training.parameter_counts())
         return out | footprint.record("actor")

@@ -11,6 +11,7 @@ from hybridflow import algos
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.plan import SP_FIELDS, optimizer_steps
 from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.lr_schedule import learning_rate
 from hybridflow.workers.modeling import DTYPES, check_model_dir, in_micro_batches, position_ids
 from hybridflow.workers.optim import train_epochs
 from hybridflow.workers.training import RoleTraining
@@ -56,7 +57,10 @@ class CriticWorker:
         field = "spec.model.critic.path" if spec.model.critic.path else "spec.model.policy.path"
         self.model = ValueModel(check_model_dir(path, field), spec.model.critic.dtype).to(device)
         self.training = RoleTraining(self.model, lr=spec.trainer.critic_lr, options=spec.trainer.training,
-                                     device=device, keep_copy=not own_phase)
+                                     device=device, keep_copy=not own_phase,
+                                     weight_decay=spec.trainer.optimizer.weight_decay)
+        self.updates = 0
+        """Updates taken: the training step the learning-rate schedule is at."""
         self.shuffle = torch.Generator().manual_seed(seed + 7919)
         self.sp = SequenceParallel.for_model(spec.model.critic.sequence_parallel, self.model.backbone.config,
                                              SP_FIELDS["critic"])
@@ -92,24 +96,29 @@ class CriticWorker:
             metrics["critic_loss"] = loss.item()
             return loss, metrics
 
+        lr = learning_rate(self.spec.trainer.critic_lr, self.updates, self.spec.trainer)
+        self.training.set_lr(lr)
         out = train_epochs(self.training, batch, loss_fn, epochs=algo.ppo_epochs,
                            steps_per_epoch=optimizer_steps(self.spec), shuffle=self.shuffle,
                            max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device,
                            limits=self.spec.trainer.training, agg=algo.loss_agg)
+        self.updates += 1
         out["critic_grad_norm"] = out.pop("grad_norm")
+        out["critic_lr"] = lr
         out["critic_model_bytes"] = float(self.training.inference_copy_bytes())
         return out
 
     def state_dict(self, with_model: bool = True) -> dict[str, Any]:
-        """Sampling order and (`with_model`) the weights; the optimizer's state is `training`'s."""
+        """Updates taken, sampling order and (`with_model`) the weights; the optimizer's state is `training`'s."""
         weights = {"model": self.training.held_copy().state_dict()} if with_model else {}
-        return weights | {"shuffle": self.shuffle.get_state()}
+        return weights | {"updates": self.updates, "shuffle": self.shuffle.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Weights given here restart the optimizer from them (see RoleTraining.invalidate)."""
         if "model" in state:
             self.training.invalidate()
             self.model.load_state_dict(state["model"])
+        self.updates = int(state.get("updates", 0))  # absent from checkpoints written before the schedule
         self.shuffle.set_state(state["shuffle"])
 
     def load_training(self, directory: str) -> None:

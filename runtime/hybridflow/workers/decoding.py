@@ -5,7 +5,7 @@ Two things Hugging Face's `generate` does not do, which vLLM does by prefix cach
 - sequences that have written EOS leave the batch (`compacts`), so later decoding steps compute only
   unfinished ones.
 Each sequence's tokens are drawn as `generate` draws them: argmax at temperature 0, else from
-softmax(logits / T) restricted to the top-p nucleus.
+softmax(logits / T) restricted to the top-k most probable tokens, then to the top-p nucleus of those.
 """
 
 from __future__ import annotations
@@ -24,17 +24,27 @@ class Sampling:
 
     temperature: float
     top_p: float = 1.0
+    top_k: int = 0
+    """0: every token."""
 
     @staticmethod
     def of(cfg: Rollout) -> Sampling:
-        return Sampling(cfg.temperature, cfg.top_p)
+        return Sampling(cfg.temperature, cfg.top_p, cfg.top_k)
 
     @staticmethod
     def for_eval(ev: Evaluation, cfg: Rollout) -> Sampling:
-        """Greedy, or eval.temperature (else the rollout's) with the rollout's topP."""
+        """Greedy, or eval.temperature (else the rollout's) with the rollout's topP and topK."""
         if ev.greedy:
             return Sampling(0.0)
-        return Sampling(ev.temperature if ev.temperature is not None else cfg.temperature, cfg.top_p)
+        return Sampling(ev.temperature if ev.temperature is not None else cfg.temperature, cfg.top_p, cfg.top_k)
+
+
+def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """`logits` with -inf below each row's k-th largest (ties with it stay); k 0 keeps every token."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
 
 
 def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -53,7 +63,7 @@ def next_tokens(logits: torch.Tensor, how: Sampling) -> torch.Tensor:
     """One token per row of [B, vocab] `logits`, drawn from torch's global generator."""
     if how.temperature <= 0:
         return logits.argmax(-1)
-    probs = nucleus(logits.float() / how.temperature, how.top_p).softmax(-1)
+    probs = nucleus(top_k(logits.float() / how.temperature, how.top_k), how.top_p).softmax(-1)
     return torch.multinomial(probs, 1).squeeze(-1)
 
 

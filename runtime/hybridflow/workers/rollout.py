@@ -218,8 +218,8 @@ class VllmRollout:
     def _params(self, how: Sampling, seed: int | None) -> Any:
         from vllm import SamplingParams
 
-        return SamplingParams(temperature=how.temperature, top_p=how.top_p, max_tokens=self.max_response_length,
-                              seed=seed)
+        return SamplingParams(temperature=how.temperature, top_p=how.top_p, top_k=how.top_k,
+                              max_tokens=self.max_response_length, seed=seed)
 
     def generate(self, rows: list[dict[str, str]], group_ids: list[int], policy_version: int,
                  sampling: Sampling | None = None, seed: int | None = None) -> RolloutBatch:

@@ -157,8 +157,9 @@ class RoleTraining:
     """The optimizer side of a role whose `model` is its full inference copy."""
 
     def __init__(self, model: torch.nn.Module, *, lr: float, options: Training, device: torch.device,
-                 keep_copy: bool = True) -> None:
+                 keep_copy: bool = True, weight_decay: float = 0.0) -> None:
         self.model, self.lr, self.options, self.device = model, lr, options, device
+        self.weight_decay = weight_decay
         self.keep_copy = keep_copy
         """Whether the copy gets the trained weights back after each update (something reads it in between)."""
         self._layout: Layout | None = None
@@ -204,7 +205,7 @@ class RoleTraining:
         else:
             module = self.model
             params = [p for _, p in named]
-        optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
         return Layout(kind, world, module, names, params, optimizer, compute)
 
     # -- one optimiser step ------------------------------------------------------------------------
@@ -216,6 +217,13 @@ class RoleTraining:
     @property
     def sharded(self) -> bool:
         return self.layout.kind == "sharded"
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the steps from now on (the schedule's, set before each update)."""
+        self.lr = lr
+        if self._layout is not None:
+            for group in self._layout.optimizer.param_groups:
+                group["lr"] = lr
 
     def zero_grad(self) -> None:
         lay = self.layout
