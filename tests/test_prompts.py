@@ -168,3 +168,50 @@ def test_val_problems_name_the_field(example_doc, tmp_path: Path, val: str, prob
     (tmp_path / "broken.jsonl").write_text('{"prompt": "1 2 3"}\n{"prompt": \n')
     spec = spec_of(example_doc, "builtin:tiny", "builtin:tiny_task", val=val.format(tmp=tmp_path))
     assert preflight(spec) == [problem.format(tmp=tmp_path)]
+
+
+@pytest.fixture
+def long_prompts(tmp_path: Path) -> Path:
+    """Prompts of 4, 12 and 9 tokens with the tiny tokenizer's BOS (digit d is token 4 + d)."""
+    path = tmp_path / "long.jsonl"
+    rows = [{"prompt": "1 2 3", "answer": "3"}, {"prompt": " ".join("0123456789 1"), "answer": "1"},
+            {"prompt": "9 8 7 6 5 4 3 2", "answer": "2"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def long_spec(example_doc, train: Path, **data):
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["data"].update({"train": str(train), "val": None, "maxPromptLength": 8} | data)
+    doc["spec"]["trainer"]["evalEvery"] = 0
+    return parse_job(doc).spec
+
+
+def test_prompts_over_the_limit_stop_the_job_before_it_starts(example_doc, long_prompts: Path) -> None:
+    spec = long_spec(example_doc, long_prompts)
+    message = ("spec.data.maxPromptLength: 2 of the 3 prompts of spec.data.train are longer than 8 tokens (the "
+               "longest, row 1, has 12); raise maxPromptLength, set data.filterOverlongPrompts to drop them, or "
+               "data.truncation left or right to cut them")
+    with pytest.raises(DataError) as e:
+        load_prompts(spec, "train")
+    assert str(e.value) == message
+    assert message in preflight(spec)
+
+
+def test_filter_overlong_prompts_drops_them_as_the_dataset_loads(example_doc, long_prompts: Path) -> None:
+    spec = long_spec(example_doc, long_prompts, filterOverlongPrompts=True)
+    assert [r["prompt"] for r in load_prompts(spec, "train")] == ["1 2 3"]
+    with pytest.raises(DataError, match=r"every prompt of spec\.data\.train is longer than 3 tokens"):
+        load_prompts(long_spec(example_doc, long_prompts, filterOverlongPrompts=True, maxPromptLength=3), "train")
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_truncation_keeps_the_end_or_the_start_of_a_long_prompt(example_doc, long_prompts: Path, side: str) -> None:
+    spec = long_spec(example_doc, long_prompts, truncation=side)
+    rows = load_prompts(spec, "train")
+    assert len(rows) == 3
+    host = WorkerHost(spec.model_dump(mode="json"), {"actor_rollout": "actor_rollout"}, instance=0, use_gpu=False)
+    batch = host.rollout(rows[1:2], [0], [])
+    digits = [4 + int(d) for d in "0123456789"] + [5]
+    kept = digits[-7:] if side == "left" else digits[:7]  # the tokenizer's BOS stays either way
+    assert batch.input_ids[0, :batch.prompt_length].tolist() == [1, *kept]

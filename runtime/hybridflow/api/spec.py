@@ -294,6 +294,12 @@ class Data(ApiModel):
     batch_size: int = Field(16, ge=1, le=65536)
     """Prompts per training step."""
     max_prompt_length: int = Field(32, ge=1, le=131072)
+    """Tokens of a prompt, as the policy's tokenizer counts it (after the chat template)."""
+    truncation: Literal["error", "left", "right"] = "error"
+    """A prompt longer than maxPromptLength: `error` stops the job before it starts, naming how many there are and
+    the longest; `left` keeps a prompt's last maxPromptLength tokens, `right` its first."""
+    filter_overlong_prompts: bool = False
+    """Drop the prompts longer than maxPromptLength as the dataset loads (how many is logged): none is cut."""
     max_response_length: int = Field(8, ge=1, le=131072)
     shuffle: bool = True
 

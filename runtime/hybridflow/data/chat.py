@@ -107,3 +107,24 @@ class PromptRenderer:
                                         "template, and none was given")
             self._template = self._load()
         return self._template
+
+
+def prompt_token_ids(tokenizer: Any, rows: list[dict[str, str]], max_length: int | None = None) -> list[list[int]]:
+    """Each row's prompt ids, at most `max_length` of them (cut on the tokenizer's truncation_side).
+
+    A prompt the chat template rendered already holds its special tokens, so it is tokenized without the
+    tokenizer's own (no second BOS): its ids are apply_chat_template's. Plain prompts get them as always.
+    Each distinct prompt is tokenized once: a group of samples repeats its prompt.
+    """
+    chat = [r.get(FORMAT_KEY) == CHAT for r in rows]
+    ids: list[list[int]] = [[] for _ in rows]
+    for templated in (False, True):
+        where = [i for i, c in enumerate(chat) if c == templated]
+        if where:
+            distinct = list(dict.fromkeys(rows[i]["prompt"] for i in where))
+            enc = tokenizer(distinct, add_special_tokens=not templated, truncation=max_length is not None,
+                            max_length=max_length)
+            by_prompt = dict(zip(distinct, enc["input_ids"], strict=True))
+            for i in where:
+                ids[i] = list(by_prompt[rows[i]["prompt"]])
+    return ids

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridflow.api.spec import PromptFormat, RLTrainingJobSpec
+from hybridflow.api.spec import Data, PromptFormat, RLTrainingJobSpec
 from hybridflow.data import DataError
-from hybridflow.data.chat import ChatTemplate, PromptRenderer
+from hybridflow.data.chat import ChatTemplate, PromptRenderer, prompt_token_ids
 from hybridflow.data.tiny import TINY_TASK, tiny_task_rows
 from hybridflow.hub import SCHEME
 
@@ -22,6 +23,7 @@ TINY_VAL_SIZE = 200
 """Prompts of `builtin:tiny_task` as spec.data.val: a draw of their own (there are only 1000 distinct prompts,
 so some also occur in training; the task is to learn the rule, which either set measures)."""
 Split = Literal["train", "val"]
+log = logging.getLogger(__name__)
 
 
 def load_rows(source: str, prompt_key: str, answer_key: str, seed: int = 0, split: Split = "train",
@@ -46,12 +48,55 @@ def load_rows(source: str, prompt_key: str, answer_key: str, seed: int = 0, spli
 
 
 def load_prompts(spec: RLTrainingJobSpec, split: Split) -> list[dict[str, str]]:
-    """The rows of spec.data.train or spec.data.val, in spec.data.promptFormat with the policy's chat template."""
+    """The rows of spec.data.train or spec.data.val, in spec.data.promptFormat with the policy's chat template,
+    fitted to spec.data.maxPromptLength (`fit_prompt_length`)."""
     source = spec.data.train if split == "train" else spec.data.val
     if source is None:
         return []
-    return load_rows(source, spec.data.prompt_key, spec.data.answer_key, spec.trainer.seed, split,
+    rows = load_rows(source, spec.data.prompt_key, spec.data.answer_key, spec.trainer.seed, split,
                      spec.data.prompt_format, lambda: ChatTemplate.of_model(spec.model.policy.path))
+    tokenizer = policy_tokenizer(spec.model.policy.path)
+    if tokenizer is None:  # reported by preflight's model check
+        return rows
+    lengths = [len(ids) for ids in prompt_token_ids(tokenizer, rows)]
+    return fit_prompt_length(rows, lengths, spec.data, split)
+
+
+def fit_prompt_length(rows: list[dict[str, str]], lengths: list[int], data: Data, split: Split
+                      ) -> list[dict[str, str]]:
+    """The rows whose prompts (of `lengths` tokens) the rollout takes: all, where none is longer than
+    maxPromptLength or truncation cuts them; the others, with filterOverlongPrompts. Else a DataError."""
+    limit = data.max_prompt_length
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    if not over:
+        return rows
+    if data.filter_overlong_prompts:
+        kept = [r for r, n in zip(rows, lengths, strict=True) if n <= limit]
+        if not kept:
+            raise DataError(f"spec.data.maxPromptLength: every prompt of spec.data.{split} is longer than {limit} "
+                            f"tokens (the shortest has {min(lengths)}), and filterOverlongPrompts drops them all")
+        log.warning("spec.data.%s: dropped %d of %d prompts longer than maxPromptLength %d tokens", split,
+                    len(over), len(rows), limit)
+        return kept
+    if data.truncation != "error":
+        return rows
+    longest = max(over, key=lambda i: lengths[i])
+    raise DataError(f"spec.data.maxPromptLength: {len(over)} of the {len(rows)} prompts of spec.data.{split} are "
+                    f"longer than {limit} tokens (the longest, row {longest}, has {lengths[longest]}); raise "
+                    f"maxPromptLength, set data.filterOverlongPrompts to drop them, or data.truncation left or "
+                    f"right to cut them")
+
+
+def policy_tokenizer(path: str) -> Any:
+    """The tokenizer of spec.model.policy.path, or None where it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.hub import resolve_model_path
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model_path(path, "spec.model.policy.path"))
+    except (OSError, ValueError):  # HubError is a ValueError
+        return None
 
 
 def repeat_samples(rows: list[dict[str, str]], n: int) -> tuple[list[dict[str, str]], list[int]]:

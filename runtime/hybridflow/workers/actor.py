@@ -85,6 +85,8 @@ class ActorRolloutWorker:
         self.spec, self.device, self.lag = spec, device, lag
         self.path = check_model_dir(spec.model.policy.path, "spec.model.policy.path")
         self.tokenizer = load_tokenizer(self.path)
+        if spec.data.truncation != "error":  # else the controller has refused any prompt that would be cut
+            self.tokenizer.truncation_side = spec.data.truncation
         self.model = load_policy(spec.model.policy, device)
         self.training = RoleTraining(self.model, lr=spec.trainer.actor_lr, options=spec.trainer.training,
                                      device=device, keep_copy=policy_copy_read_between_updates(spec, lag, scored),

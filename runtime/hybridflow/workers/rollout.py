@@ -12,7 +12,7 @@ import psutil
 import torch
 
 from hybridflow.api.spec import Rollout
-from hybridflow.data.chat import CHAT, FORMAT_KEY
+from hybridflow.data.chat import prompt_token_ids
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
 from hybridflow.workers.decoding import Sampling, sample
 from hybridflow.workers.lora import is_lora, merged_weights
@@ -50,23 +50,8 @@ def check_version(held: int, asked: int) -> None:
 
 
 def encode_prompts(tokenizer: Any, rows: list[dict[str, str]], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids left-padded to the longest, and their mask.
-
-    A prompt the chat template rendered already holds its special tokens, so it is tokenized without the
-    tokenizer's own (no second BOS): its ids are apply_chat_template's. Plain prompts get them as always.
-    Each distinct prompt is tokenized once: a group of samples repeats its prompt.
-    """
-    chat = [r.get(FORMAT_KEY) == CHAT for r in rows]
-    ids: list[list[int]] = [[] for _ in rows]
-    for templated in (False, True):
-        where = [i for i, c in enumerate(chat) if c == templated]
-        if where:
-            distinct = list(dict.fromkeys(rows[i]["prompt"] for i in where))
-            enc = tokenizer(distinct, add_special_tokens=not templated, truncation=True, max_length=max_length)
-            by_prompt = dict(zip(distinct, enc["input_ids"], strict=True))
-            for i in where:
-                ids[i] = list(by_prompt[rows[i]["prompt"]])
-    return left_pad(ids, tokenizer.pad_token_id)
+    """Prompt ids (data.chat.prompt_token_ids) left-padded to the longest, and their mask."""
+    return left_pad(prompt_token_ids(tokenizer, rows, max_length), tokenizer.pad_token_id)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
