@@ -6,6 +6,7 @@ without adding any: the ids are those of `apply_chat_template(..., tokenize=True
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,17 @@ def join_text(value: object) -> str:
     return str(value)
 
 
+@functools.cache
+def policy_tokenizer(path: str) -> Any:
+    """The tokenizer of spec.model.policy.path, loaded once per process: the chat template and the count of each
+    prompt's tokens (data.prompts) read the same one, for train and val."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.hub import resolve_model_path
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(path, "spec.model.policy.path"))
+
+
 class ChatTemplate:
     """`apply_chat_template(messages, add_generation_prompt=True, tokenize=False)` of a tokenizer."""
 
@@ -66,12 +78,8 @@ class ChatTemplate:
     @classmethod
     def of_model(cls, path: str) -> ChatTemplate:
         """The template of the tokenizer in model directory `path` (`builtin:tiny` resolves to its directory)."""
-        from transformers import AutoTokenizer
-
-        from hybridflow.hub import resolve_model_path
-
         try:
-            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(path, "spec.model.policy.path"))
+            tokenizer = policy_tokenizer(path)
         except (OSError, ValueError) as e:  # HubError is a ValueError
             raise ChatTemplateError(f"spec.data.promptFormat: chat prompts need the tokenizer of "
                                     f"spec.model.policy.path, which cannot be loaded from {path!r}: {e}") from None

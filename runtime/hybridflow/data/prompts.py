@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from hybridflow.api.spec import Data, PromptFormat, RLTrainingJobSpec
 from hybridflow.data import DataError
-from hybridflow.data.chat import ChatTemplate, PromptRenderer, prompt_token_ids
+from hybridflow.data.chat import ChatTemplate, PromptRenderer, policy_tokenizer, prompt_token_ids
 from hybridflow.data.tiny import TINY_TASK, tiny_task_rows
 from hybridflow.hub import SCHEME
 
@@ -55,8 +55,9 @@ def load_prompts(spec: RLTrainingJobSpec, split: Split) -> list[dict[str, str]]:
         return []
     rows = load_rows(source, spec.data.prompt_key, spec.data.answer_key, spec.trainer.seed, split,
                      spec.data.prompt_format, lambda: ChatTemplate.of_model(spec.model.policy.path))
-    tokenizer = policy_tokenizer(spec.model.policy.path)
-    if tokenizer is None:  # reported by preflight's model check
+    try:
+        tokenizer = policy_tokenizer(spec.model.policy.path)
+    except (OSError, ValueError):  # reported by preflight's model check (HubError is a ValueError)
         return rows
     lengths = [len(ids) for ids in prompt_token_ids(tokenizer, rows)]
     return fit_prompt_length(rows, lengths, spec.data, split)
@@ -85,18 +86,6 @@ def fit_prompt_length(rows: list[dict[str, str]], lengths: list[int], data: Data
                     f"longer than {limit} tokens (the longest, row {longest}, has {lengths[longest]}); raise "
                     f"maxPromptLength, set data.filterOverlongPrompts to drop them, or data.truncation left or "
                     f"right to cut them")
-
-
-def policy_tokenizer(path: str) -> Any:
-    """The tokenizer of spec.model.policy.path, or None where it cannot be loaded."""
-    from transformers import AutoTokenizer
-
-    from hybridflow.hub import resolve_model_path
-
-    try:
-        return AutoTokenizer.from_pretrained(resolve_model_path(path, "spec.model.policy.path"))
-    except (OSError, ValueError):  # HubError is a ValueError
-        return None
 
 
 def repeat_samples(rows: list[dict[str, str]], n: int) -> tuple[list[dict[str, str]], list[int]]:
