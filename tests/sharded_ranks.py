@@ -27,6 +27,8 @@ from hybridflow.workers.training import RoleTraining, checkpoints_activations, f
 CPU = torch.device("cpu")
 TINY_PPO = Path(__file__).resolve().parents[1] / "examples" / "tiny-ppo.yaml"
 PROMPT, RESPONSE = 4, 6
+HORIZON = RESPONSE
+"""seq-mean-token-sum-norm's divisor: the longest response, as the actor passes data.maxResponseLength."""
 LR = 1e-4
 PORT_TRIES = 4
 
@@ -78,7 +80,7 @@ def train(training: RoleTraining, batch: RolloutBatch, steps: int, micro: int | 
 
     def loss_fn(mb: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
         logp, _ = response_log_probs(training.module, mb, CPU)
-        loss = algos.agg_loss(-logp, mb.response_mask.float(), agg)
+        loss = algos.agg_loss(-logp, mb.response_mask.float(), agg, HORIZON)
         return loss, {"loss": loss.item(), "copy_bytes": float(training.inference_copy_bytes())}
 
     return train_epochs(training, batch, loss_fn, epochs=steps, steps_per_epoch=1,

@@ -361,10 +361,11 @@ def rollout_engine(draw: st.DrawFn, spec: dict[str, Any]) -> None:
 
 
 def evaluation(draw: st.DrawFn, spec: dict[str, Any]) -> None:
-    """evalEvery needs data.val; a greedy evaluation takes no temperature and one sample."""
+    """evalEvery and evalBeforeTrain need data.val; a greedy evaluation takes no temperature and one sample."""
     data, trainer = _section(spec, "data"), _section(spec, "trainer")
     data["val"] = draw(st.sampled_from([None, "builtin:tiny_task", "/data/val.jsonl", "hf://datasets/o/n"]))
     trainer["evalEvery"] = draw(st.sampled_from([0, 1, 5]))
+    trainer["evalBeforeTrain"] = draw(st.booleans())
     trainer["eval"] = draw(st.fixed_dictionaries({}, optional={
         "greedy": st.booleans(), "temperature": st.sampled_from([None, 0.5, 1.0]),
         "samplesPerPrompt": st.sampled_from([1, 2, 4])}))
@@ -375,6 +376,16 @@ def lr_schedule(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     _section(spec, "trainer")["optimizer"] = draw(st.fixed_dictionaries({}, optional={
         "schedule": st.sampled_from(["constant", "cosine"]), "minLrRatio": st.sampled_from([0.0, 0.1, 1.0]),
         "warmupSteps": st.sampled_from([0, 5])}))
+
+
+def critic_warmup(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    """trainer.criticWarmupSteps above 0 needs an algorithm with a critic (ppo, the default name)."""
+    _section(spec, "trainer")["criticWarmupSteps"] = draw(st.sampled_from([0, 3]))
+    algorithm = _section(spec, "algorithm")
+    if draw(st.booleans()):
+        algorithm["name"] = draw(st.sampled_from(ALGORITHMS))
+    else:
+        algorithm.pop("name", None)
 
 
 def export_adapters(draw: st.DrawFn, spec: dict[str, Any]) -> None:
@@ -464,8 +475,8 @@ def job_name(draw: st.DrawFn, doc: dict[str, Any]) -> None:
 
 
 RULES: list[Callable[[st.DrawFn, dict[str, Any]], None]] = [
-    group_samples, mini_batch, reward_model, rollout_engine, evaluation, lr_schedule, export_adapters, replicas, graph,
-    pod_settings,
+    group_samples, mini_batch, reward_model, rollout_engine, evaluation, lr_schedule, critic_warmup, export_adapters,
+    replicas, graph, pod_settings,
 ]
 
 

@@ -266,10 +266,20 @@ AGG_MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
         ("token-mean", (1 + 2 + 4) / 3),  # 7 / 3 tokens
         ("seq-mean-token-sum", (3 + 4) / 2),  # empty third row excluded
         ("seq-mean-token-mean", (1.5 + 4) / 2),
+        ("seq-mean-token-sum-norm", (3 + 4) / 2 / 3),  # over the matrix's width without a horizon
     ],
 )
 def test_agg_loss_modes_on_hand_example(agg: str, expected: float) -> None:
     assert agg_loss(LOSS_MAT, AGG_MASK, agg).item() == pytest.approx(expected)
+
+
+def test_the_sum_norm_mode_divides_by_the_horizon_whatever_the_padding() -> None:
+    """Dr. GRPO's constant: the same rows trimmed of their shared padding (a micro-batch) lose the same."""
+    assert agg_loss(LOSS_MAT, AGG_MASK, "seq-mean-token-sum-norm", horizon=10).item() == pytest.approx(3.5 / 10)
+    trimmed = agg_loss(LOSS_MAT[:, :2], AGG_MASK[:, :2], "seq-mean-token-sum-norm", horizon=10)
+    assert trimmed.item() == pytest.approx(3.5 / 10)
+    for horizon in (None, 10):  # the other modes take no horizon
+        assert agg_loss(LOSS_MAT, AGG_MASK, "seq-mean-token-sum", horizon=horizon).item() == pytest.approx(3.5)
 
 
 def test_agg_loss_unknown_mode_names_the_allowed_values() -> None:

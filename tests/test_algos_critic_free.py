@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybridflow.algos import (
+    AGG_MODES,
     compute_discounted_returns,
     compute_reinforce_plus_plus_advantages,
     compute_reinforce_plus_plus_baseline_advantages,
@@ -166,7 +167,7 @@ def test_gspo_equals_ppo_when_every_token_of_a_sequence_has_the_same_ratio() -> 
     per_seq = torch.randn(4, 1) * 0.3
     mask = right_padded_mask([5, 3, 1, 4], 5)
     adv = torch.randn(4)
-    for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+    for agg in AGG_MODES:
         new = old + per_seq.expand(4, 5)
         gspo, _ = gspo_policy_loss(old, new, adv, mask, clip_low=0.2, clip_high=0.28, agg=agg)
         ppo, _ = ppo_policy_loss(old, new, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip_c=None, agg=agg)

@@ -40,6 +40,8 @@ SEEDS = range(5)
 RTOL, ATOL = 1e-8, 1e-9
 TOL_SEQ_MEAN_TOKEN_MEAN = 2e-8
 BATCH, TOKENS = 18, 7
+HORIZON = 11
+"""seq-mean-token-sum-norm's constant (verl's loss_scale_factor), apart from the width TOKENS verl takes without it."""
 GROUP_SIZES = (4, 5, 1, 6, 2)  # a lone sample included: verl gives it no baseline, and so does hybridflow
 
 
@@ -138,18 +140,22 @@ def make_cases() -> list[tuple[dict[str, Any], Ours]]:
                 x = gspo_inputs(b, per_token_adv)
                 clip_low, clip_high = 0.02, 0.03
 
+                horizon = HORIZON if agg == "seq-mean-token-sum-norm" else None
+
                 def ours_gspo(x: dict[str, torch.Tensor] = x, agg: str = agg, mask: torch.Tensor = mask,
-                              clip_low: float = clip_low, clip_high: float = clip_high) -> dict[str, Any]:
+                              clip_low: float = clip_low, clip_high: float = clip_high,
+                              horizon: int | None = horizon) -> dict[str, Any]:
                     log_probs = x["log_probs"].clone().requires_grad_()
                     loss, metrics = gspo_policy_loss(x["old_log_probs"], log_probs, x["advantages"], mask,
-                                                     clip_low=clip_low, clip_high=clip_high, agg=agg)
+                                                     clip_low=clip_low, clip_high=clip_high, agg=agg,
+                                                     horizon=horizon)
                     loss.backward()
                     return {"loss": loss.item(), "grad": log_probs.grad, "clip_frac": metrics["clip_frac"]}
 
                 verl_adv = x["advantages"] if per_token_adv else x["advantages"].unsqueeze(-1).expand(BATCH, TOKENS)
                 cases.append(({"kind": "gspo", "old_log_probs": x["old_log_probs"], "log_probs": x["log_probs"],
                                "advantages": verl_adv, "mask": mask, "agg": agg, "clip_low": clip_low,
-                               "clip_high": clip_high}, ours_gspo))
+                               "clip_high": clip_high} | ({"horizon": horizon} if horizon else {}), ours_gspo))
     return cases
 
 

@@ -587,6 +587,16 @@ REJECTED = [
         "optimizer.minLrRatio is where schedule cosine ends: it needs optimizer.schedule cosine",
     ),
     (
+        "eval-before-train-without-val",
+        {"data": {"val": None}, "trainer": {"evalBeforeTrain": True}},
+        "trainer.evalBeforeTrain needs data.val, the prompts to evaluate on",
+    ),
+    (
+        "critic-warmup-without-a-critic",
+        {"algorithm": {"name": "grpo"}, "rollout": {"samplesPerPrompt": 4}, "trainer": {"criticWarmupSteps": 3}},
+        "trainer.criticWarmupSteps trains the critic alone: it needs an algorithm with a critic",
+    ),
+    (
         "separate-adapters-without-lora",
         {"trainer": {"export": {"path": "/out", "adapters": "separate"}}},
         "trainer.export.adapters 'separate' needs model.policy.lora",

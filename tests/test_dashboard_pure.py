@@ -199,13 +199,17 @@ def test_a_line_still_being_written_is_left_for_the_next_read(tmp_path: Path) ->
     assert log.read() == [{"step": 1}]
 
 
+BASELINE = {"step": 0, "val/reward_mean": 0.05, "timing/eval": 0.1}
+"""trainer.evalBeforeTrain's record of the starting policy."""
+
+
 class FakeJob:
     """A controller: a status that advances, records after a step, and an ending."""
 
     def __init__(self) -> None:
         self.step, self.gone = 2, False
         self.asked: list[int] = []
-        self.records = [record(i) for i in range(1, 3)]
+        self.records = [BASELINE] + [record(i) for i in range(1, 3)]
 
     def call(self, method: str, *args: Any, timeout_s: float) -> Any:
         if self.gone:
@@ -223,9 +227,9 @@ def test_the_feed_fetches_new_steps_only_and_all_again_after_a_rollback() -> Non
     job.records.append(record(3))
     job.step = 3
     assert feed.view()["curves"]["reward_mean"]["last_step"] == 3
-    job.records, job.step = [record(1)], 1  # rolled back to step 1
+    job.records, job.step = [BASELINE, record(1)], 1  # rolled back to step 1
     v = feed.view()
-    assert v["records"] == 1 and job.asked == [0, 2, 0]
+    assert v["records"] == 2 and job.asked == [-1, 2, -1]  # from before the baseline evaluation's step 0
     job.gone = True
     v = feed.view()
     assert v["error"] == "job default/tiny is not running" and v["step"] == 1 and v["has_status"]

@@ -75,6 +75,8 @@ def test_eval_sampling_is_greedy_unless_asked() -> None:
 @pytest.mark.parametrize(("trainer", "data", "message"), [
     ({"evalEvery": 5}, {}, "spec: trainer.evalEvery needs data.val, the prompts to evaluate on (set data.val, or "
                            "evalEvery to 0)"),
+    ({"evalBeforeTrain": True}, {}, "spec: trainer.evalBeforeTrain needs data.val, the prompts to evaluate on (set "
+                                    "data.val, or evalBeforeTrain to false)"),
     ({"eval": {"temperature": 0.5}}, {"val": "builtin:tiny_task"},
      "spec.trainer.eval: eval.temperature and eval.samplesPerPrompt above 1 need eval.greedy false"),
     ({"eval": {"samplesPerPrompt": 4}}, {"val": "builtin:tiny_task"},

@@ -86,7 +86,7 @@ def test_forward_only_passes_of_a_sharded_module_on_uneven_shards_score_as_the_f
     assert runs["ranks"]["sharded_scoring_gap"] < 1e-5
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("agg", algos.AGG_MODES)
 def test_micro_batches_give_the_gradients_of_one_batch(agg: str) -> None:
     batch = make_batch(7, seed=3, ragged=True)
     grads = []

@@ -45,7 +45,9 @@ __all__ = [
     "value_loss",
 ]
 
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+SEQ_MEAN_MODES: tuple[str, ...] = AGG_MODES[1:]
+"""The modes that average over sequences (with at least one valid token)."""
 KL_KINDS: tuple[str, ...] = ("kl", "abs", "mse", "low_var_kl")
 
 # exp() of a log-ratio beyond this is inf or 0 in float32; clamping keeps losses finite.
@@ -333,25 +335,29 @@ def compute_reinforce_plus_plus_baseline_advantages(
 # --------------------------------------------------------------------------------------------------
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str, horizon: int | None = None) -> torch.Tensor:
     """Reduce a [B, T] loss matrix to a scalar.
 
-        token-mean:          sum(L * mask) / sum(mask)
-        seq-mean-token-sum:  mean_b  sum_t(L * mask)
-        seq-mean-token-mean: mean_b (sum_t(L * mask) / sum_t(mask))
+        token-mean:              sum(L * mask) / sum(mask)
+        seq-mean-token-sum:      mean_b  sum_t(L * mask)
+        seq-mean-token-mean:     mean_b (sum_t(L * mask) / sum_t(mask))
+        seq-mean-token-sum-norm: mean_b  sum_t(L * mask) / H
 
-    The seq-mean modes average over sequences with at least one valid token.
+    The seq-mean modes average over sequences with at least one valid token. H (Dr. GRPO's constant
+    normaliser, no bias towards short or long responses) is `horizon`, the longest response a rollout can
+    give; None takes the matrix's width T, which a batch trimmed of its padding makes vary.
     """
     if agg == "token-mean":
         return masked_mean(loss_mat, mask)
-    if agg in ("seq-mean-token-sum", "seq-mean-token-mean"):
+    if agg in SEQ_MEAN_MODES:
         _, m = _as_weights(loss_mat, mask)
         per_seq = masked_sum(loss_mat, m, dim=-1)
         tokens = m.sum(dim=-1)
         if agg == "seq-mean-token-mean":
             per_seq = per_seq / tokens.clamp_min(1e-8)
         has_tokens = (tokens > 0).to(loss_mat.dtype)
-        return masked_mean(per_seq, has_tokens)
+        loss = masked_mean(per_seq, has_tokens)
+        return loss / (horizon or loss_mat.shape[-1]) if agg == "seq-mean-token-sum-norm" else loss
     raise ValueError(f"unknown agg {agg!r}; expected one of {', '.join(AGG_MODES)}")
 
 
@@ -394,8 +400,10 @@ def ppo_policy_loss(
     dual_clip_c: float | None = 3.0,
     agg: str = "token-mean",
     weights: torch.Tensor | None = None,
+    horizon: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate with an asymmetric range and dual clip, per token then aggregated.
+    """Clipped surrogate with an asymmetric range and dual clip, per token then aggregated (agg_loss, `agg`
+    and `horizon`).
 
         ratio = exp(logp - logp_old)
         L     = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))
@@ -428,7 +436,7 @@ def ppo_policy_loss(
     if weights is not None:
         losses = losses * weights
 
-    loss = agg_loss(losses, mask, agg)
+    loss = agg_loss(losses, mask, agg, horizon)
 
     with torch.no_grad():
         metrics = {
@@ -476,6 +484,7 @@ def gspo_policy_loss(
     clip_high: float = 0.2,
     agg: str = "seq-mean-token-mean",
     weights: torch.Tensor | None = None,
+    horizon: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO's clipped surrogate on the sequence-level ratio (Zheng et al. 2025, arXiv:2507.18071).
 
@@ -497,7 +506,7 @@ def gspo_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     losses = torch.maximum(unclipped, clipped)
-    loss = agg_loss(losses if weights is None else losses * weights, mask, agg)
+    loss = agg_loss(losses if weights is None else losses * weights, mask, agg, horizon)
 
     with torch.no_grad():
         log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
@@ -517,8 +526,9 @@ def value_loss(
     mask: torch.Tensor,
     clip: float | None = 0.5,
     agg: str = "token-mean",
+    horizon: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped value loss, per token then aggregated.
+    """Clipped value loss, per token then aggregated (agg_loss, `agg` and `horizon`).
 
         V_clip = V_old + clip(V - V_old, -clip, +clip)
         L      = 0.5 * max((V - R)^2, (V_clip - R)^2)      (clip=None: L = 0.5 * (V - R)^2)
@@ -537,7 +547,7 @@ def value_loss(
         losses = 0.5 * torch.maximum(unclipped, clipped)
         clip_hit = clipped > unclipped
 
-    loss = agg_loss(losses, mask, agg)
+    loss = agg_loss(losses, mask, agg, horizon)
 
     with torch.no_grad():
         metrics = {

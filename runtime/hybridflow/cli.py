@@ -15,6 +15,7 @@ from hybridflow._version import __version__
 from hybridflow.api import RLTrainingJob, SpecError, load_job
 from hybridflow.api.load import STDIN
 from hybridflow.k8s import contract
+from hybridflow.metrics import step_records
 
 
 def _fail(message: str) -> int:
@@ -154,14 +155,14 @@ def _serve_dashboard(job: RLTrainingJob, port: int) -> None:
 
 
 def _summarise(result: dict[str, Any], metrics_out: str | None, seconds: float) -> None:
-    recs = result["records"]
+    recs = step_records(result["records"])
     if not recs:
         print(f"nothing to do: already at step {result['steps']}")
         return
     first, last = recs[0], recs[-1]
     window = recs[-5:]
     end_reward = sum(r["reward_mean"] for r in window) / len(window)
-    val = [r["val/reward_mean"] for r in recs if "val/reward_mean" in r]
+    val = [r["val/reward_mean"] for r in result["records"] if "val/reward_mean" in r]
     print(json.dumps({
         "steps": result["steps"], "wall_s": round(seconds, 1),
         "reward_start": round(first["reward_mean"], 4), "reward_end": round(end_reward, 4),

@@ -73,6 +73,11 @@ def parse_records(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
+def step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of training steps, without the baseline evaluation's (step 0, val/ metrics alone)."""
+    return [r for r in records if r.get("step", 0) > 0]
+
+
 Series = dict[str, list[tuple[int, float]]]
 """A panel's curves: label -> (step, value) points."""
 

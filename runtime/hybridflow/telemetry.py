@@ -164,14 +164,18 @@ class StepExporter:
                 m.phase_seconds.inc(seconds, {**job, "phase": phase})
         keep.set(m.tokens_per_second, record["tokens_per_s"], job)
         keep.set(m.reward_mean, record["reward_mean"], job)
-        if "val/reward_mean" in record:
-            keep.set(m.val_reward_mean, record["val/reward_mean"], job)
+        self.export_eval(record)
         keep.set(m.kl, record.get("kl", 0.0), job)
         keep.set(m.policy_lag, record.get("policy_lag", 0), job)
         for node in scheduler.graph.nodes:
             keep.set(m.parallelism, scheduler.instance_count(node.name), {**job, "node": node.name})
         for edge in scheduler.graph.data_edges():
             self._export_edge(m, edge.key, scheduler)
+
+    def export_eval(self, record: Mapping[str, Any]) -> None:
+        """The val/ reward of a record that has one: a step's, or the baseline's before training (step 0)."""
+        if enabled() and "val/reward_mean" in record:
+            _keeper().set(_metrics().val_reward_mean, record["val/reward_mean"], {JOB_LABEL: self.job})
 
     def _export_edge(self, m: _Metrics, key: str, scheduler: HybridScheduler) -> None:
         channel = scheduler.channel(key)

@@ -209,7 +209,7 @@ class Trainer:
                 "controller": controller, **status, "manual": self.steering.status(),
                 "metrics_path": str(self.metrics.path) if self.metrics.path else None}
 
-    def dashboard_records(self, after: int = 0) -> list[dict[str, Any]]:
+    def dashboard_records(self, after: int = -1) -> list[dict[str, Any]]:
         """The metrics records past step `after`, for `hybridflow dashboard` (which may not see the file)."""
         return [r for r in self.metrics.read() if r.get("step", 0) > after]
 
@@ -288,8 +288,12 @@ class Trainer:
             log.info("resumed from %s at step %d", self.last_checkpoint, self.step)
         else:
             self.metrics.reset()
-        self.trackers = open_trackers(self.job, TRACKERS, self.metrics_out, first_step=self.step + 1)
+        baseline = self.spec.trainer.eval_before_train and self.step == 0 and bool(self.val_rows)
+        self.trackers = open_trackers(self.job, TRACKERS, self.metrics_out,
+                                      first_step=self.step if baseline else self.step + 1)
         try:
+            if baseline:
+                self._evaluate_before_training(total)
             self._loop(total)
         finally:
             self.trackers.close()
@@ -303,6 +307,17 @@ class Trainer:
         return {"steps": self.step, "records": records, "plot": str(png) if png else None,
                 "report": str(report) if report else None,
                 "recoveries": self.recoveries, "last_checkpoint": self.last_checkpoint, "export": exported}
+
+    def _evaluate_before_training(self, total: int) -> None:
+        """spec.trainer.evalBeforeTrain: the starting policy's val/ metrics, the record of step 0."""
+        record = {"step": 0} | self.evaluate(0)
+        self.last_val = last_val_reward([record])
+        self.latest = dict(self.last_val)
+        self.metrics.write(record)
+        self.trackers.log_record(record)
+        self.telemetry.export_eval(record)
+        if self.reporter:
+            self.reporter.report(0, total, self.last_val, self.last_checkpoint, force=True)
 
     def export_final(self) -> str | None:
         """spec.trainer.export: the final policy as a Hugging Face folder (export.py), from rank 0's weights
@@ -724,8 +739,8 @@ class Trainer:
             self.step = 0
             self.sampler.load_state_dict({"epoch": 0, "position": 0})
             self.kl_ctl.load_state_dict({"value": self.spec.algorithm.kl_penalty.coef})
-            self.metrics.reset()
-            self.last_val = {}
+            self.metrics.truncate_after(0)  # the baseline evaluation (step 0) measured the weights reset restores
+            self.last_val = last_val_reward(self.metrics.read())
         for group in self.trained:
             self._retell_sequence_parallel_off(group, group.hosts)
         self._host_counts = {g.node: len(g.hosts) for g in self.trained}  # every rank now holds the same state

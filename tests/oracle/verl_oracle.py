@@ -49,7 +49,8 @@ def reinforce_plus_plus_baseline(case: dict[str, Any]) -> dict[str, Any]:
 def gspo(case: dict[str, Any]) -> dict[str, Any]:
     config = ActorConfig(strategy="fsdp", clip_ratio=case["clip_low"], clip_ratio_low=case["clip_low"],
                          clip_ratio_high=case["clip_high"], ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
-                         rollout_n=1)
+                         rollout_n=1, global_batch_info={"loss_scale_factor": case["horizon"]} if "horizon" in case
+                         else {})
     log_prob = t(case["log_probs"]).requires_grad_()
     loss, metrics = core_algos.compute_policy_loss_gspo(
         t(case["old_log_probs"]), log_prob, t(case["advantages"]), t(case["mask"]),

@@ -122,7 +122,12 @@ class Algorithm(ApiModel):
     ppo_epochs: int = Field(1, ge=1, le=64)
     mini_batch_size: int | None = Field(None, ge=1)
     """Sequences per optimiser step; null means the whole batch."""
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean")
+    """How a minibatch's per-token losses (policy, entropy, KL, value) become one: `token-mean` over all its tokens;
+    over sequences, `seq-mean-token-sum` of each one's sum, `seq-mean-token-mean` of each one's mean, or
+    `seq-mean-token-sum-norm` of each one's sum divided by data.maxResponseLength (Dr. GRPO, with
+    normalizeAdvantages false: no bias towards short or long responses)."""
     normalize_advantages: bool = True
     """ppo: whiten advantages over the batch; grpo: divide by the group std; reinforce_plus_plus(_baseline):
     whiten over the batch (false skips it); rloo: never normalised."""
@@ -493,6 +498,10 @@ class Trainer(ApiModel):
     actor_lr: float = Field(1e-5, gt=0.0)
     critic_lr: float = Field(1e-5, gt=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
+    critic_warmup_steps: int = Field(0, ge=0, le=10_000_000)
+    """The first N steps train the critic alone: the policy keeps its weights (its version still counts the steps)
+    while the value function learns the returns of its samples, so that the actor's first advantages come from a
+    critic that has seen some. Needs a critic (algorithm ppo). The actor's schedule starts at step N + 1."""
     optimizer: Optimizer = Field(default_factory=Optimizer)
     """Weight decay and the learning-rate schedule of the actor and critic (AdamW)."""
     worker_max_restarts: int = Field(3, ge=0)
@@ -502,6 +511,9 @@ class Trainer(ApiModel):
     eval_every: int = Field(0, ge=0, le=10_000_000)
     """Evaluate on spec.data.val after every N steps and after the last one; 0: after the last step only.
     The val/ metrics join the record of the step after whose update they were measured."""
+    eval_before_train: bool = False
+    """Also evaluate the starting policy, before the first step: its val/ metrics are the record of step 0 (the
+    baseline in metrics.jsonl, the trackers and status.progress). A resumed run does not evaluate again."""
     eval: Evaluation = Field(default_factory=Evaluation)
     """Sampling of the evaluation (greedy by default)."""
     export: Export = Field(default_factory=Export)
@@ -787,12 +799,14 @@ class RunPolicy(ApiModel):
     ttl_seconds_after_finished: int = Field(3600, ge=0)
 
 
-_EVAL_WITHOUT_VAL = ("trainer.evalEvery needs data.val, the prompts to evaluate on"
-                     " (set data.val, or evalEvery to 0)")
+def _eval_without_val(field: str, off: str) -> str:
+    return f"trainer.{field} needs data.val, the prompts to evaluate on (set data.val, or {field} to {off})"
 SEPARATE_NEEDS_LORA = ("trainer.export.adapters 'separate' needs model.policy.lora (a full fine-tune has no "
                        "adapters to write apart; use 'merge')")
 
 
+CRITIC_WARMUP_NEEDS_CRITIC = (f"trainer.criticWarmupSteps trains the critic alone: it needs an algorithm with a"
+                              f" critic ({', '.join(CRITIC_ALGORITHMS)}), or 0")
 _VLLM_NEEDS_GPU_GROUP = ("rollout.engine vllm runs on GPUs: at least one of cluster.workerGroups needs"
                          " gpusPerWorker >= rollout.tensorParallelSize")
 _POOL_WITHOUT_GROUP = ("every graph node's pool must name one of cluster.workerGroups"
@@ -836,8 +850,21 @@ class RLTrainingJobSpec(ApiModel):
             _cel(
                 "!has(self.trainer) || !has(self.trainer.evalEvery) || self.trainer.evalEvery == 0"
                 " || (has(self.data) && has(self.data.val))",
-                _EVAL_WITHOUT_VAL,
+                _eval_without_val("evalEvery", "0"),
                 ".trainer.evalEvery",
+            ),
+            _cel(
+                "!has(self.trainer) || !has(self.trainer.evalBeforeTrain) || !self.trainer.evalBeforeTrain"
+                " || (has(self.data) && has(self.data.val))",
+                _eval_without_val("evalBeforeTrain", "false"),
+                ".trainer.evalBeforeTrain",
+            ),
+            _cel(
+                "!has(self.trainer) || !has(self.trainer.criticWarmupSteps) || self.trainer.criticWarmupSteps == 0"
+                " || !has(self.algorithm) || !has(self.algorithm.name)"
+                f" || self.algorithm.name in {list(CRITIC_ALGORITHMS)}",
+                CRITIC_WARMUP_NEEDS_CRITIC,
+                ".trainer.criticWarmupSteps",
             ),
             _cel(
                 "!has(self.trainer) || !has(self.trainer.export) || !has(self.trainer.export.adapters)"
@@ -887,14 +914,18 @@ class RLTrainingJobSpec(ApiModel):
             raise ValueError(_group_message(self.algorithm.name))
         if self.trainer.export.adapters == "separate" and self.model.policy.lora is None:
             raise ValueError(SEPARATE_NEEDS_LORA)
+        if self.trainer.critic_warmup_steps and not self.algorithm.trains_critic:
+            raise ValueError(CRITIC_WARMUP_NEEDS_CRITIC)
         mbs = self.algorithm.mini_batch_size
         total = self.data.batch_size * self.rollout.samples_per_prompt
         if mbs is not None and mbs > total:
             raise ValueError(
                 f"algorithm.miniBatchSize ({mbs}) must be at most data.batchSize * rollout.samplesPerPrompt ({total})"
             )
-        if self.trainer.eval_every and self.data.val is None:
-            raise ValueError(_EVAL_WITHOUT_VAL)
+        for field, asked, off in (("evalEvery", self.trainer.eval_every, "0"),
+                                  ("evalBeforeTrain", self.trainer.eval_before_train, "false")):
+            if asked and self.data.val is None:
+                raise ValueError(_eval_without_val(field, off))
         groups = self.cluster.worker_groups
         tp = self.rollout.tensor_parallel_size
         if self.rollout.engine == "vllm" and groups and not any(g.gpus_per_worker >= tp for g in groups):

@@ -69,9 +69,9 @@ class Feed:
         """Only the steps after the last one held; all of them again when the job rolled back past it."""
         from hybridflow.control.errors import ControlError
 
-        last = self._records[-1]["step"] if self._records else 0
+        last = self._records[-1]["step"] if self._records else -1  # step 0: a baseline evaluation's record
         if self._status is not None and int(self._status.get("step", last)) < last:
-            self._records, last = [], 0
+            self._records, last = [], -1
         try:
             new = list(job.call("dashboard_records", last, timeout_s=30.0))
         except ControlError as e:

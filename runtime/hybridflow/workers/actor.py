@@ -101,6 +101,9 @@ class ActorRolloutWorker:
         """The module that generates: old log-probs are its own, the policy the samples came from."""
         self.eval_sampling = Sampling.for_eval(spec.trainer.eval, spec.rollout)
         self.version = 0
+        self.rollout_current = True
+        """The rollout engine holds the trained weights (no optimiser step since it last got them): a sync has
+        nothing to copy."""
         self.old_from_update = old_log_probs_from_update(spec, lag)
         self.shuffle = torch.Generator().manual_seed(seed if shuffle_seed is None else shuffle_seed)
         self.sp = SequenceParallel.for_model(spec.model.policy.sequence_parallel, self.model.config,
@@ -170,7 +173,10 @@ class ActorRolloutWorker:
         policyLoss is gspo) - c_H * H + [beta * KL if mode=loss]. Rollout gets the result only through
         `sync_rollout` (the control edge)."""
         lag = self._lag_of(batch)
+        if self.version < self.spec.trainer.critic_warmup_steps:
+            return self._frozen_step(lag)
         algo = self.spec.algorithm
+        horizon = self.spec.data.max_response_length
         if lag:
             self._decouple(batch)
 
@@ -185,38 +191,49 @@ class ActorRolloutWorker:
             clip_high = algo.clip_ratio_high or algo.clip_ratio
             if algo.policy_loss == "gspo":
                 loss, metrics = algos.gspo_policy_loss(old, logp, adv, m, clip_low=algo.clip_ratio,
-                                                       clip_high=clip_high, agg=algo.loss_agg, weights=w)
+                                                       clip_high=clip_high, agg=algo.loss_agg, weights=w,
+                                                       horizon=horizon)
             else:
                 loss, metrics = algos.ppo_policy_loss(old, logp, adv, m, clip_low=algo.clip_ratio,
                                                       clip_high=clip_high, dual_clip_c=algo.dual_clip_c,
-                                                      agg=algo.loss_agg, weights=w)
+                                                      agg=algo.loss_agg, weights=w, horizon=horizon)
             if w is not None:
                 metrics["behaviour_weight_mean"] = algos.masked_mean(w, m).item()
-            entropy = algos.agg_loss(ent, m, algo.loss_agg)
+            entropy = algos.agg_loss(ent, m, algo.loss_agg, horizon)
             total = loss - algo.entropy_coef * entropy
             if "ref_log_probs" in mb.tensors:
                 token_kl = algos.kl_penalty(logp, mb.tensors["ref_log_probs"].to(self.device), algo.kl_penalty.type)
                 if self.old_from_update:  # what compute_advantages measures from the old log-probs otherwise
                     metrics["kl"] = algos.masked_mean(token_kl.detach(), m).item()
                 if algo.kl_penalty.mode == "loss":
-                    kl = algos.agg_loss(token_kl, m, algo.loss_agg)
+                    kl = algos.agg_loss(token_kl, m, algo.loss_agg, horizon)
                     total = total + kl_coef * kl
                     metrics["kl_loss"] = kl.item()
             metrics.update(actor_loss=loss.item(), entropy=entropy.item())
             return total, metrics
 
-        lr = learning_rate(self.spec.trainer.actor_lr, self.version, self.spec.trainer)
+        lr = learning_rate(self.spec.trainer.actor_lr, self.version, self.spec.trainer,
+                           start=self.spec.trainer.critic_warmup_steps)
         self.training.set_lr(lr)
         out = train_epochs(self.training, batch, loss_fn, epochs=algo.ppo_epochs,
                            steps_per_epoch=optimizer_steps(self.spec), shuffle=self.shuffle,
                            max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device,
                            limits=self.spec.trainer.training, agg=algo.loss_agg)
         self.version += 1
+        self.rollout_current = False
         out["actor_grad_norm"] = out.pop("grad_norm")
         out["actor_lr"] = lr
-        out["policy_lag"] = float(lag)
+        return out | self._step_record(lag)
+
+    def _frozen_step(self, lag: int) -> dict[str, float]:
+        """A step of the critic's warm-up: no pass and no optimiser step, the weights stay; the version still
+        counts the step, so that versions, lags and checkpoints mean the same with or without a warm-up."""
+        self.version += 1
+        return {"actor_lr": 0.0} | self._step_record(lag)
+
+    def _step_record(self, lag: int) -> dict[str, float]:
         footprint = training_footprint(self.model, self.training.layout.optimizer, self.training.parameter_counts())
-        return out | footprint.record("actor")
+        return {"policy_lag": float(lag)} | footprint.record("actor")
 
     @torch.no_grad()
     def _decouple(self, batch: RolloutBatch) -> None:
@@ -231,7 +248,11 @@ class ActorRolloutWorker:
     def sync_rollout(self) -> tuple[int, int]:
         """The trained policy into the rollout engine: (the version it now holds, the bytes copied). From the
         shards when the copy stays released: each weight is gathered, copied out and dropped in turn."""
+        if self.rollout_current:  # a step of the critic's warm-up
+            self.rollout.version = self.version
+            return self.version, 0
         moved = self.rollout.sync_weights(self.training.current, self.version)
+        self.rollout_current = True
         return self.version, moved
 
     def weights(self) -> dict[str, torch.Tensor]:

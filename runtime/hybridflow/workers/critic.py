@@ -92,6 +92,7 @@ class CriticWorker:
                 self._values(mb, self.training.module), mb.tensors["returns"].to(self.device),
                 mb.tensors["values"].to(self.device),
                 mb.response_mask.float().to(self.device), clip=algo.value_clip, agg=algo.loss_agg,
+                horizon=self.spec.data.max_response_length,
             )
             metrics["critic_loss"] = loss.item()
             return loss, metrics

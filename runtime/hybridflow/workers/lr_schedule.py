@@ -23,6 +23,7 @@ def lr_factor(step: int, total_steps: int, optimizer: Optimizer) -> float:
     return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def learning_rate(base: float, step: int, trainer: Trainer) -> float:
-    """The learning rate of training step `step` (from 0) for a role whose spec'd rate is `base`."""
-    return base * lr_factor(step, trainer.total_steps, trainer.optimizer)
+def learning_rate(base: float, step: int, trainer: Trainer, start: int = 0) -> float:
+    """The learning rate of training step `step` (from 0) for a role whose spec'd rate is `base` and whose schedule
+    runs over steps [start, totalSteps): the actor's starts after the critic's warm-up (trainer.criticWarmupSteps)."""
+    return base * lr_factor(step - start, trainer.total_steps - start, trainer.optimizer)
