@@ -378,6 +378,12 @@ def lr_schedule(draw: st.DrawFn, spec: dict[str, Any]) -> None:
         "warmupSteps": st.sampled_from([0, 5])}))
 
 
+def covariance_bounds(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    """covariance.clipLowerBound below clipUpperBound, either one left at its default (1 and 5)."""
+    _section(spec, "algorithm")["covariance"] = draw(st.fixed_dictionaries({}, optional={
+        "clipLowerBound": st.sampled_from([0.5, 1.0, 5.0, 6.0]), "clipUpperBound": st.sampled_from([0.5, 1.0, 5.0])}))
+
+
 def critic_warmup(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     """trainer.criticWarmupSteps above 0 needs an algorithm with a critic (ppo, the default name)."""
     _section(spec, "trainer")["criticWarmupSteps"] = draw(st.sampled_from([0, 3]))
@@ -475,8 +481,8 @@ def job_name(draw: st.DrawFn, doc: dict[str, Any]) -> None:
 
 
 RULES: list[Callable[[st.DrawFn, dict[str, Any]], None]] = [
-    group_samples, mini_batch, reward_model, rollout_engine, evaluation, lr_schedule, critic_warmup, export_adapters,
-    replicas, graph, pod_settings,
+    group_samples, mini_batch, reward_model, rollout_engine, evaluation, lr_schedule, critic_warmup, covariance_bounds,
+    export_adapters, replicas, graph, pod_settings,
 ]
 
 

@@ -33,6 +33,7 @@ from hybridflow.algos import (
     gspo_policy_loss,
     scores_to_token_rewards,
 )
+from hybridflow.policy_losses import cispo_policy_loss, clip_cov_policy_loss, gpg_policy_loss, kl_cov_policy_loss
 from tests.helpers import unavailable
 
 ORACLE = Path(__file__).resolve().parent / "oracle"
@@ -92,7 +93,7 @@ def dense_rewards(b: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return rewards, mask
 
 
-def gspo_inputs(b: dict[str, Any], per_token_adv: bool) -> dict[str, torch.Tensor]:
+def policy_inputs(b: dict[str, Any], per_token_adv: bool) -> dict[str, torch.Tensor]:
     g = b["gen"]
     old = -3.0 * torch.rand(BATCH, TOKENS, generator=g, dtype=torch.float64)
     new = old + 0.1 * torch.randn(BATCH, TOKENS, generator=g, dtype=torch.float64)
@@ -137,26 +138,52 @@ def make_cases() -> list[tuple[dict[str, Any], Ours]]:
         cases.append(({"kind": "reinforce_plus_plus", "token_rewards": rewards, "mask": holed, "gamma": gamma}, rpp))
         for agg in AGG_MODES:
             for per_token_adv in (False, True):
-                x = gspo_inputs(b, per_token_adv)
-                clip_low, clip_high = 0.02, 0.03
-
-                horizon = HORIZON if agg == "seq-mean-token-sum-norm" else None
-
-                def ours_gspo(x: dict[str, torch.Tensor] = x, agg: str = agg, mask: torch.Tensor = mask,
-                              clip_low: float = clip_low, clip_high: float = clip_high,
-                              horizon: int | None = horizon) -> dict[str, Any]:
-                    log_probs = x["log_probs"].clone().requires_grad_()
-                    loss, metrics = gspo_policy_loss(x["old_log_probs"], log_probs, x["advantages"], mask,
-                                                     clip_low=clip_low, clip_high=clip_high, agg=agg,
-                                                     horizon=horizon)
-                    loss.backward()
-                    return {"loss": loss.item(), "grad": log_probs.grad, "clip_frac": metrics["clip_frac"]}
-
-                verl_adv = x["advantages"] if per_token_adv else x["advantages"].unsqueeze(-1).expand(BATCH, TOKENS)
-                cases.append(({"kind": "gspo", "old_log_probs": x["old_log_probs"], "log_probs": x["log_probs"],
-                               "advantages": verl_adv, "mask": mask, "agg": agg, "clip_low": clip_low,
-                               "clip_high": clip_high} | ({"horizon": horizon} if horizon else {}), ours_gspo))
+                cases.append(policy_loss_case("gspo", policy_inputs(b, per_token_adv), mask, agg, 0.02, 0.03))
+        for mode in ("cispo", "gpg", "clip_cov", "kl_cov"):
+            for agg in ("token-mean", "seq-mean-token-sum-norm"):
+                cases.append(policy_loss_case(mode, policy_inputs(b, per_token_adv=True), mask, agg, 0.1, 0.15))
     return cases
+
+
+COVARIANCE = {"clip_cov": {"clip_cov_ratio": 1.0, "clip_cov_lb": 0.2, "clip_cov_ub": 2.0},
+              "kl_cov": {"kl_cov_ratio": 0.25, "ppo_kl_coef": 0.5}}
+"""verl's picks: clip_cov cuts every candidate (a share of 1: none drawn at random, so the two sides agree), kl_cov
+the quarter of the tokens of largest covariance."""
+OURS = {
+    "gspo": lambda x, mask, low, high, **kw: gspo_policy_loss(x["old_log_probs"], x["log_probs"], x["advantages"],
+                                                              mask, clip_low=low, clip_high=high, **kw),
+    "cispo": lambda x, mask, low, high, **kw: cispo_policy_loss(x["old_log_probs"], x["log_probs"], x["advantages"],
+                                                                mask, clip_low=low, clip_high=high, **kw),
+    "gpg": lambda x, mask, low, high, **kw: gpg_policy_loss(x["old_log_probs"], x["log_probs"], x["advantages"], mask,
+                                                            **kw),
+    "clip_cov": lambda x, mask, low, high, **kw: clip_cov_policy_loss(
+        x["old_log_probs"], x["log_probs"], x["advantages"], mask, clip_low=low, clip_high=high, share=1.0,
+        lower=0.2, upper=2.0, **kw),
+    "kl_cov": lambda x, mask, low, high, **kw: kl_cov_policy_loss(x["old_log_probs"], x["log_probs"],
+                                                                  x["advantages"], mask, share=0.25, coef=0.5, **kw),
+}
+"""hybridflow's side of each loss mode, with the settings COVARIANCE gives verl."""
+FRACTIONS = {"gspo": "clip_frac", "cispo": "clip_frac", "clip_cov": "cov_frac"}
+
+
+def policy_loss_case(mode: str, x: dict[str, torch.Tensor], mask: torch.Tensor, agg: str, low: float,
+                     high: float) -> tuple[dict[str, Any], Ours]:
+    """verl's request for loss_mode `mode` and hybridflow's answer: the loss, its gradient in the log-probs and
+    the fraction verl reports as actor/pg_clipfrac."""
+    horizon = HORIZON if agg == "seq-mean-token-sum-norm" else None
+
+    def ours() -> dict[str, Any]:
+        log_probs = x["log_probs"].clone().requires_grad_()
+        loss, metrics = OURS[mode]({**x, "log_probs": log_probs}, mask, low, high, agg=agg, horizon=horizon)
+        loss.backward()
+        return {"loss": loss.item(), "grad": log_probs.grad} | (
+            {FRACTIONS[mode]: metrics[FRACTIONS[mode]]} if mode in FRACTIONS else {})
+
+    advantages = x["advantages"] if x["advantages"].dim() == 2 else x["advantages"].unsqueeze(-1).expand(BATCH, TOKENS)
+    request = {"kind": mode, "old_log_probs": x["old_log_probs"], "log_probs": x["log_probs"],
+               "advantages": advantages, "mask": mask, "agg": agg, "clip_low": low, "clip_high": high}
+    return request | ({"horizon": horizon} if horizon else {}) | (
+        {"cov": COVARIANCE[mode]} if mode in COVARIANCE else {}), ours
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +195,8 @@ def compared() -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
     return [(request, ours(), theirs) for (request, ours), theirs in zip(cases, answer["results"], strict=True)]
 
 
-@pytest.mark.parametrize("kind", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo"])
+@pytest.mark.parametrize("kind", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo",
+                                  "gpg", "clip_cov", "kl_cov"])
 def test_agrees_with_verl(compared: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]], kind: str) -> None:
     checked = 0
     for request, ours, theirs in compared:
@@ -191,3 +219,11 @@ def test_the_gspo_cases_clip_some_sequences_and_not_others(
     """Otherwise agreement would say nothing about the clipping."""
     fractions = [theirs["clip_frac"] for request, _, theirs in compared if request["kind"] == "gspo"]
     assert all(0.0 < f < 1.0 for f in fractions), fractions
+
+
+def test_the_covariance_cases_cut_some_tokens_and_not_others(
+    compared: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]],
+) -> None:
+    """clip_cov's candidates lie between the bounds: some tokens, not all, so the cut is what agrees."""
+    fractions = [theirs["cov_frac"] for request, _, theirs in compared if request["kind"] == "clip_cov"]
+    assert fractions and all(0.0 < f < 0.5 for f in fractions), fractions

@@ -102,7 +102,7 @@ def test_optional_fields_are_nullable_and_enums_come_from_literals(schema: dict[
     assert dual["nullable"] is True and dual["default"] == 3.0
     assert at(schema, ".spec.algorithm.name")["enum"] == [
         "ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
-    assert at(schema, ".spec.algorithm.policyLoss")["enum"] == ["vanilla", "gspo"]
+    assert at(schema, ".spec.algorithm.policyLoss")["enum"] == ["vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov"]
     assert at(schema, ".spec.rollout.engine")["enum"] == ["torch", "vllm"]
     top_p = at(schema, ".spec.rollout.topP")
     assert (top_p["minimum"], top_p["exclusiveMinimum"], top_p["maximum"]) == (0.0, True, 1.0)
@@ -585,6 +585,11 @@ REJECTED = [
         "min-lr-without-cosine",
         {"trainer": {"optimizer": {"warmupSteps": 5, "minLrRatio": 0.1}}},
         "optimizer.minLrRatio is where schedule cosine ends: it needs optimizer.schedule cosine",
+    ),
+    (
+        "covariance-bounds-out-of-order",
+        {"algorithm": {"covariance": {"clipUpperBound": 0.5}}},
+        "covariance.clipLowerBound must be below covariance.clipUpperBound",
     ),
     (
         "eval-before-train-without-val",

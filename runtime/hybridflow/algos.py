@@ -2,7 +2,8 @@
 
 Advantage estimators: compute_gae (PPO, with a critic), compute_grpo_advantages, compute_rloo_advantages,
 compute_reinforce_plus_plus_advantages and compute_reinforce_plus_plus_baseline_advantages (no critic).
-Policy losses: ppo_policy_loss (token-level ratio) and gspo_policy_loss (sequence-level ratio, gspo_ratio).
+Policy losses: ppo_policy_loss (token-level ratio) and gspo_policy_loss (sequence-level ratio, gspo_ratio); the
+others verl names are in hybridflow.policy_losses.
 
 Shapes: B sequences, T response tokens, V vocabulary entries. Token tensors are [B, T], right-padded,
 with ``mask`` 1 on valid response tokens and 0 on padding. Nothing here does I/O or knows about Ray;
@@ -42,6 +43,8 @@ __all__ = [
     "masked_whiten",
     "ppo_policy_loss",
     "scores_to_token_rewards",
+    "token_advantages",
+    "token_log_ratio",
     "value_loss",
 ]
 
@@ -361,7 +364,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, agg: str, horizon: int 
     raise ValueError(f"unknown agg {agg!r}; expected one of {', '.join(AGG_MODES)}")
 
 
-def _token_advantages(advantages: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+def token_advantages(advantages: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
     """[B] (one per sequence, broadcast over tokens) or [B, T] advantages as [B, T]."""
     if advantages.dim() == log_probs.dim() - 1:
         advantages = advantages.unsqueeze(-1)
@@ -372,6 +375,12 @@ def _token_advantages(advantages: torch.Tensor, log_probs: torch.Tensor) -> torc
             f"advantages must be [B] or [B, T] for log_probs of shape {tuple(log_probs.shape)}, "
             f"got {tuple(advantages.shape)}"
         ) from exc
+
+
+def token_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log(pi / pi_old) per token, clamped to +-20 so that exp() stays finite in float32, and the ratio itself."""
+    log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return log_ratio, torch.exp(log_ratio)
 
 
 @torch.no_grad()
@@ -419,10 +428,9 @@ def ppo_policy_loss(
         raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low} and {clip_high}")
     if dual_clip_c is not None and not dual_clip_c > 1.0:
         raise ValueError(f"dual_clip_c must be > 1 (or None to disable), got {dual_clip_c}")
-    advantages = _token_advantages(advantages, log_probs)
+    advantages = token_advantages(advantages, log_probs)
 
-    log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    log_ratio, ratio = token_log_ratio(log_probs, old_log_probs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     losses = torch.maximum(unclipped, clipped)
@@ -501,7 +509,7 @@ def gspo_policy_loss(
     """
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low} and {clip_high}")
-    advantages = _token_advantages(advantages, log_probs)
+    advantages = token_advantages(advantages, log_probs)
     ratio = gspo_ratio(log_probs, old_log_probs, mask)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -509,10 +517,10 @@ def gspo_policy_loss(
     loss = agg_loss(losses if weights is None else losses * weights, mask, agg, horizon)
 
     with torch.no_grad():
-        log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        log_ratio, token_ratio = token_log_ratio(log_probs, old_log_probs)
         metrics = {
             "clip_frac": masked_mean((clipped > unclipped).to(losses.dtype), mask).item(),
-            "approx_kl": masked_mean(torch.exp(log_ratio) - 1.0 - log_ratio, mask).item(),
+            "approx_kl": masked_mean(token_ratio - 1.0 - log_ratio, mask).item(),
             "ratio_mean": agg_loss(ratio, mask, "seq-mean-token-mean").item(),
             "dual_clip_frac": 0.0,
         }

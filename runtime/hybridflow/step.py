@@ -172,6 +172,7 @@ def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> d
         "critic_loss": upd.get("critic_loss"),
         "entropy": upd.get("entropy"),
         "clip_frac": upd.get("clip_frac"),
+        "cov_frac": upd.get("cov_frac"),
         "actor_grad_norm": upd.get("actor_grad_norm"),
         "critic_grad_norm": upd.get("critic_grad_norm"),
         "actor_lr": upd.get("actor_lr"),

@@ -39,6 +39,7 @@ NAMES: dict[str, str] = {
     "actor_loss": "actor/pg_loss",
     "entropy": "actor/entropy",
     "clip_frac": "actor/pg_clipfrac",
+    "cov_frac": "actor/cov_frac",
     "behaviour_weight_mean": "actor/behaviour_weight_mean",
     "kl_loss": "actor/kl_loss",
     "actor_grad_norm": "actor/grad_norm",

@@ -1,4 +1,4 @@
-"""Runs verl's own advantage estimators and GSPO loss on the inputs it is given; the other half of
+"""Runs verl's own advantage estimators and policy losses on the inputs it is given; the other half of
 tests/test_algos_oracle.py. Runs in the verl oracle environment (tests/oracle/setup-verl-oracle.sh), never
 imports hybridflow.
 
@@ -18,6 +18,7 @@ import verl
 from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig
+from verl.workers.config.actor import PolicyLossConfig
 
 
 def t(x: list[Any]) -> torch.Tensor:
@@ -46,21 +47,31 @@ def reinforce_plus_plus_baseline(case: dict[str, Any]) -> dict[str, Any]:
     return {"advantages": lists(adv)}
 
 
-def gspo(case: dict[str, Any]) -> dict[str, Any]:
+def policy_loss(case: dict[str, Any]) -> dict[str, Any]:
+    """The loss_mode named by the case's kind; its clip fraction under the name hybridflow gives it."""
     config = ActorConfig(strategy="fsdp", clip_ratio=case["clip_low"], clip_ratio_low=case["clip_low"],
                          clip_ratio_high=case["clip_high"], ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
-                         rollout_n=1, global_batch_info={"loss_scale_factor": case["horizon"]} if "horizon" in case
-                         else {})
+                         rollout_n=1, policy_loss=PolicyLossConfig(loss_mode=case["kind"], **case.get("cov", {})),
+                         global_batch_info={"loss_scale_factor": case["horizon"]} if "horizon" in case else {})
     log_prob = t(case["log_probs"]).requires_grad_()
-    loss, metrics = core_algos.compute_policy_loss_gspo(
+    loss, metrics = core_algos.get_policy_loss_fn(case["kind"])(
         t(case["old_log_probs"]), log_prob, t(case["advantages"]), t(case["mask"]),
         loss_agg_mode=case["agg"], config=config)
     loss.backward()
     assert log_prob.grad is not None
-    return {"loss": loss.item(), "grad": lists(log_prob.grad), "clip_frac": metrics["actor/pg_clipfrac"]}
+    out = {"loss": loss.item(), "grad": lists(log_prob.grad)}
+    if case["kind"] in CLIP_FRACTIONS:
+        out[CLIP_FRACTIONS[case["kind"]]] = metrics["actor/pg_clipfrac"]
+    return out
 
 
-KINDS = {f.__name__: f for f in (rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, gspo)}
+CLIP_FRACTIONS = {"gspo": "clip_frac", "cispo": "clip_frac", "clip_cov": "cov_frac"}
+"""verl's actor/pg_clipfrac: the clipped tokens, or for clip_cov those whose loss the covariance rule cut."""
+POLICY_LOSSES = ("gspo", "cispo", "gpg", "clip_cov", "kl_cov")
+
+
+KINDS = {f.__name__: f for f in (rloo, reinforce_plus_plus, reinforce_plus_plus_baseline)} | {
+    mode: policy_loss for mode in POLICY_LOSSES}
 
 
 def main() -> None:

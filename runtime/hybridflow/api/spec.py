@@ -79,12 +79,45 @@ CRITIC_ALGORITHMS: tuple[str, ...] = ("ppo",)
 """The algorithms that train a critic; every other one runs the critic-free graph."""
 GROUP_ALGORITHMS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 """The algorithms whose baseline comes from the other samples of the same prompt: samplesPerPrompt >= 2."""
-PolicyLoss = Literal["vanilla", "gspo"]
+PolicyLoss = Literal["vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov"]
 
 
 def _group_message(name: str) -> str:
     return (f"rollout.samplesPerPrompt must be at least 2 for {name} "
             "(its baseline comes from the other samples of the same prompt)")
+
+
+_COV_BOUNDS = "covariance.clipLowerBound must be below covariance.clipUpperBound"
+_COV_LOWER, _COV_UPPER = 1.0, 5.0
+
+
+class Covariance(ApiModel):
+    """Clip-Cov and KL-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for Reasoning Language
+    Models"): each token's covariance c = (A - mean A)(log pi - mean log pi) picks the tokens whose update would
+    lower the entropy most; verl's actor.policy_loss.clip_cov_* and kl_cov_ratio, ppo_kl_coef."""
+
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel(f"(has(self.clipLowerBound) ? self.clipLowerBound : {_COV_LOWER})"
+                 f" < (has(self.clipUpperBound) ? self.clipUpperBound : {_COV_UPPER})", _COV_BOUNDS, ".clipLowerBound")
+        )
+    )
+
+    clip_ratio: float = Field(0.0002, gt=0.0, le=1.0)
+    """clip_cov: the share of a pass's valid tokens (at least one) whose loss is cut, with its gradient, drawn at
+    random among those the PPO clip left alone with c between the bounds."""
+    clip_lower_bound: float = _COV_LOWER
+    clip_upper_bound: float = _COV_UPPER
+    kl_ratio: float = Field(0.0002, gt=0.0, le=1.0)
+    """kl_cov: the share of a pass's valid tokens (at least one), those of largest c, that pay
+    klCoef x |log pi - log pi_old| on top of the unclipped surrogate."""
+    kl_coef: float = Field(0.1, ge=0.0)
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> Covariance:
+        if not self.clip_lower_bound < self.clip_upper_bound:
+            raise ValueError(_COV_BOUNDS)
+        return self
 
 
 class Algorithm(ApiModel):
@@ -103,7 +136,11 @@ class Algorithm(ApiModel):
     policy_loss: PolicyLoss = "vanilla"
     """`vanilla`: PPO's clipped surrogate on per-token ratios; `gspo`: the same on the sequence-level
     ratio (pi/pi_old)^(1/|y|), clipped per sequence (GSPO; the paper uses lossAgg seq-mean-token-mean and
-    clip ranges near 3e-4/4e-4)."""
+    clip ranges near 3e-4/4e-4); `cispo`: -sg(clip(ratio)) x A x log pi, every token keeps its gradient (MiniMax-M1);
+    `gpg`: -A x log pi, no ratio (GPG); `clip_cov` and `kl_cov`: PPO's surrogate with the tokens of highest
+    advantage/log-prob covariance cut or penalised, against entropy collapse (covariance sets their shares)."""
+    covariance: Covariance = Field(default_factory=Covariance)
+    """The token picks of policyLoss clip_cov and kl_cov."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
     clip_ratio: float = Field(0.2, gt=0.0, lt=1.0)

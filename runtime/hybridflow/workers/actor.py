@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hybridflow import algos
+from hybridflow import algos, policy_losses
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.plan import (
     SP_FIELDS,
@@ -188,15 +188,7 @@ class ActorRolloutWorker:
             old = logp.detach() if self.old_from_update else mb.tensors["old_log_probs"].to(self.device)
             adv = mb.tensors["advantages"].to(self.device)
             w = mb.tensors["behaviour_weights"].to(self.device) if "behaviour_weights" in mb.tensors else None
-            clip_high = algo.clip_ratio_high or algo.clip_ratio
-            if algo.policy_loss == "gspo":
-                loss, metrics = algos.gspo_policy_loss(old, logp, adv, m, clip_low=algo.clip_ratio,
-                                                       clip_high=clip_high, agg=algo.loss_agg, weights=w,
-                                                       horizon=horizon)
-            else:
-                loss, metrics = algos.ppo_policy_loss(old, logp, adv, m, clip_low=algo.clip_ratio,
-                                                      clip_high=clip_high, dual_clip_c=algo.dual_clip_c,
-                                                      agg=algo.loss_agg, weights=w, horizon=horizon)
+            loss, metrics = self._policy_loss(old, logp, adv, m, w)
             if w is not None:
                 metrics["behaviour_weight_mean"] = algos.masked_mean(w, m).item()
             entropy = algos.agg_loss(ent, m, algo.loss_agg, horizon)
@@ -234,6 +226,32 @@ class ActorRolloutWorker:
     def _step_record(self, lag: int) -> dict[str, float]:
         footprint = training_footprint(self.model, self.training.layout.optimizer, self.training.parameter_counts())
         return {"policy_lag": float(lag)} | footprint.record("actor")
+
+    def _policy_loss(self, old: torch.Tensor, logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                     w: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        """spec.algorithm.policyLoss on one pass (algos, policy_losses)."""
+        algo, cov = self.spec.algorithm, self.spec.algorithm.covariance
+        agg, horizon = algo.loss_agg, self.spec.data.max_response_length
+        low, high = algo.clip_ratio, algo.clip_ratio_high or algo.clip_ratio
+        match algo.policy_loss:
+            case "gspo":
+                return algos.gspo_policy_loss(old, logp, adv, mask, clip_low=low, clip_high=high, agg=agg, weights=w,
+                                              horizon=horizon)
+            case "cispo":
+                return policy_losses.cispo_policy_loss(old, logp, adv, mask, clip_low=low, clip_high=high, agg=agg,
+                                                       weights=w, horizon=horizon)
+            case "gpg":
+                return policy_losses.gpg_policy_loss(old, logp, adv, mask, agg=agg, weights=w, horizon=horizon)
+            case "clip_cov":
+                return policy_losses.clip_cov_policy_loss(
+                    old, logp, adv, mask, clip_low=low, clip_high=high, share=cov.clip_ratio,
+                    lower=cov.clip_lower_bound, upper=cov.clip_upper_bound, generator=self.shuffle, agg=agg, weights=w,
+                    horizon=horizon)
+            case "kl_cov":
+                return policy_losses.kl_cov_policy_loss(old, logp, adv, mask, share=cov.kl_ratio, coef=cov.kl_coef,
+                                                        agg=agg, weights=w, horizon=horizon)
+        return algos.ppo_policy_loss(old, logp, adv, mask, clip_low=low, clip_high=high, dual_clip_c=algo.dual_clip_c,
+                                     agg=agg, weights=w, horizon=horizon)
 
     @torch.no_grad()
     def _decouple(self, batch: RolloutBatch) -> None:

@@ -1,0 +1,132 @@
+"""The policy losses besides PPO's clipped surrogate and GSPO (hybridflow.algos), under verl's loss_mode names:
+CISPO, GPG, Clip-Cov and KL-Cov. Pure functions on [B, T] tensors, as in algos.
+
+Each takes the update's log-probs `log_probs` (with their graph), the old ones, the advantages ([B] or [B, T]) and
+the response mask, and returns the aggregated loss (algos.agg_loss with `agg` and `horizon`) and its metrics:
+approx_kl (the k3 estimate of KL(pi_old || pi)) and ratio_mean always, clip_frac where something is clipped, and
+cov_frac, the share of the valid tokens the covariance rules picked. `weights` multiplies each token's loss
+(algos.behaviour_weights for a batch one version behind), as in ppo_policy_loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.algos import agg_loss, masked_mean, token_advantages, token_log_ratio
+
+
+def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    with torch.no_grad():
+        return {"approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask).item(),
+                "ratio_mean": masked_mean(ratio, mask).item()}
+
+
+def _weighted(losses: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    return losses if weights is None else losses * weights
+
+
+def cispo_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean",
+                      weights: torch.Tensor | None = None,
+                      horizon: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): the importance weight is clipped, not the update, so every token keeps
+    its gradient:
+
+        L = -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log pi
+
+    sg is stop-gradient. clip_frac: the tokens whose weight was clipped.
+    """
+    advantages = token_advantages(advantages, log_probs)
+    log_ratio, ratio = token_log_ratio(log_probs, old_log_probs)
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    losses = -clipped.detach() * advantages * log_probs
+    loss = agg_loss(_weighted(losses, weights), mask, agg, horizon)
+    with torch.no_grad():
+        clip_frac = masked_mean((clipped != ratio).to(losses.dtype), mask).item()
+    return loss, {"clip_frac": clip_frac} | _ratio_metrics(log_ratio, ratio, mask)
+
+
+def gpg_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, agg: str = "token-mean", weights: torch.Tensor | None = None,
+                    horizon: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """GPG (Chu et al. 2025, arXiv:2504.02546): the plain policy gradient, no ratio and no clip:
+
+        L = -A * log pi
+
+    The old log-probs serve the metrics alone.
+    """
+    advantages = token_advantages(advantages, log_probs)
+    losses = -advantages * log_probs
+    log_ratio, ratio = token_log_ratio(log_probs.detach(), old_log_probs)
+    return agg_loss(_weighted(losses, weights), mask, agg, horizon), _ratio_metrics(log_ratio, ratio, mask)
+
+
+@torch.no_grad()
+def token_covariance(advantages: torch.Tensor, log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """c = (A - mean A) * (log pi - mean log pi) per token, the means over the valid tokens (Cui et al. 2025,
+    arXiv:2505.22617: the tokens of largest c drive the entropy down)."""
+    return (advantages - masked_mean(advantages, mask)) * (log_probs - masked_mean(log_probs, mask))
+
+
+def _picked(valid: torch.Tensor, share: float) -> int:
+    """How many tokens a covariance rule picks: `share` of the valid ones, at least one."""
+    return max(int(share * int(valid.sum())), 1)
+
+
+def clip_cov_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
+                         mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+                         share: float = 0.0002, lower: float = 1.0, upper: float = 5.0,
+                         generator: torch.Generator | None = None, agg: str = "token-mean",
+                         weights: torch.Tensor | None = None,
+                         horizon: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip-Cov (Cui et al. 2025, arXiv:2505.22617): PPO's clipped surrogate (no dual clip), and the loss of `share`
+    of the valid tokens (at least one), drawn with `generator` among those the clip left alone whose covariance c
+    (token_covariance) lies strictly between `lower` and `upper`, is cut to 0 with its gradient.
+
+    clip_frac: the tokens where the clipped term wins; cov_frac: the tokens cut.
+    """
+    advantages = token_advantages(advantages, log_probs)
+    log_ratio, ratio = token_log_ratio(log_probs, old_log_probs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    valid = mask > 0
+    clip_wins = (clipped > unclipped) & valid
+    c = token_covariance(advantages, log_probs, mask)
+    candidates = torch.nonzero(valid & ~clip_wins & (c > lower) & (c < upper))
+    order = torch.randperm(len(candidates), generator=generator).to(candidates.device)
+    cut = candidates[order[:_picked(valid, share)]]
+    keep = torch.ones_like(unclipped)
+    keep[cut[:, 0], cut[:, 1]] = 0.0
+    losses = torch.maximum(unclipped, clipped) * keep
+    loss = agg_loss(_weighted(losses, weights), mask, agg, horizon)
+    with torch.no_grad():
+        metrics = {"clip_frac": masked_mean(clip_wins.to(losses.dtype), mask).item(),
+                   "cov_frac": masked_mean((keep == 0).to(losses.dtype), mask).item()}
+    return loss, metrics | _ratio_metrics(log_ratio, ratio, mask)
+
+
+def kl_cov_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
+                       mask: torch.Tensor, share: float = 0.0002, coef: float = 0.1, agg: str = "token-mean",
+                       weights: torch.Tensor | None = None,
+                       horizon: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov (Cui et al. 2025, arXiv:2505.22617): the unclipped surrogate, and on `share` of the valid tokens (at
+    least one), those of largest covariance c (token_covariance), a penalty on their move:
+
+        L = -A * ratio + [token picked] * coef * |log pi - log pi_old|
+
+    cov_frac: the tokens penalised.
+    """
+    advantages = token_advantages(advantages, log_probs)
+    log_ratio, ratio = token_log_ratio(log_probs, old_log_probs)
+    losses = -advantages * ratio
+    valid = mask > 0
+    picked = torch.zeros_like(valid)
+    if valid.any():
+        c = token_covariance(advantages, log_probs, mask).masked_fill(~valid, -torch.inf)
+        top = torch.topk(c.flatten(), _picked(valid, share)).indices
+        picked.view(-1)[top] = True
+        losses = torch.where(picked, losses + coef * (log_probs - old_log_probs).abs(), losses)
+    loss = agg_loss(_weighted(losses, weights), mask, agg, horizon)
+    with torch.no_grad():
+        cov_frac = masked_mean(picked.to(losses.dtype), mask).item()
+    return loss, {"cov_frac": cov_frac} | _ratio_metrics(log_ratio, ratio, mask)
