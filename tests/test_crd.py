@@ -102,7 +102,8 @@ def test_optional_fields_are_nullable_and_enums_come_from_literals(schema: dict[
     assert dual["nullable"] is True and dual["default"] == 3.0
     assert at(schema, ".spec.algorithm.name")["enum"] == [
         "ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
-    assert at(schema, ".spec.algorithm.policyLoss")["enum"] == ["vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov"]
+    assert at(schema, ".spec.algorithm.policyLoss")["enum"] == ["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean",
+                                                                  "clip_cov", "kl_cov"]
     assert at(schema, ".spec.rollout.engine")["enum"] == ["torch", "vllm"]
     top_p = at(schema, ".spec.rollout.topP")
     assert (top_p["minimum"], top_p["exclusiveMinimum"], top_p["maximum"]) == (0.0, True, 1.0)

@@ -11,8 +11,10 @@ from hybridflow.api import parse_job
 from hybridflow.policy_losses import (
     cispo_policy_loss,
     clip_cov_policy_loss,
+    geo_mean_policy_loss,
     gpg_policy_loss,
     kl_cov_policy_loss,
+    sapo_policy_loss,
     token_covariance,
 )
 from hybridflow.step import StepOutput, step_record
@@ -57,6 +59,30 @@ def test_gpg_is_the_plain_policy_gradient_whatever_the_old_policy() -> None:
     assert metrics["ratio_mean"] < 1  # the metrics still see the old policy, one nat more likely
 
 
+def test_sapo_on_policy_steps_as_ppo_and_its_gate_fades_off_policy() -> None:
+    old, _, adv, mask = inputs()
+    on = old.clone().requires_grad_()
+    loss, _ = sapo_policy_loss(old, on, adv, mask, tau_pos=1.0, tau_neg=1.3, agg="token-mean")
+    loss.backward()
+    torch.testing.assert_close(on.grad, -adv * mask / mask.sum())  # d/dr (4/tau) sigmoid(tau (r - 1)) = 1 at r = 1
+    far = (old + 1.0).requires_grad_()
+    sapo_policy_loss(old, far, adv, mask, tau_pos=1.0, tau_neg=1.3, agg="token-mean")[0].backward()
+    assert (far.grad.abs() < on.grad.abs() * 2.72)[mask > 0].all()  # PPO's unclipped term would give e x the grad
+
+
+def test_geo_mean_takes_the_geometric_mean_of_the_clipped_token_ratios() -> None:
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    new = torch.tensor([[0.1, 0.5, -0.2], [0.3, -0.6, 9.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    loss, metrics = geo_mean_policy_loss(old, new, adv, mask, clip_low=0.4, clip_high=0.4)
+    # A > 0: only the upper clip binds (0.5 -> 0.4); A < 0: only the lower one (-0.6 -> -0.4); padding is left out
+    first = -1.0 * torch.exp(torch.tensor((0.1 + 0.4 - 0.2) / 3))
+    second = 2.0 * torch.exp(torch.tensor((0.3 - 0.4) / 2))
+    assert loss.item() == pytest.approx(((first + second) / 2).item())
+    assert metrics["clip_frac"] == pytest.approx(2 / 5)
+
+
 def test_clip_cov_cuts_its_share_of_the_candidates_drawn_with_the_generator() -> None:
     old, new, adv, mask = inputs(rows_=40, tokens=10)
     c = token_covariance(adv, new.detach(), mask)
@@ -89,7 +115,7 @@ def test_kl_cov_penalises_the_tokens_of_largest_covariance() -> None:
     assert metrics["cov_frac"] == pytest.approx(int(0.1 * mask.sum()) / mask.sum().item())
 
 
-@pytest.mark.parametrize("mode", ["cispo", "gpg", "clip_cov", "kl_cov"])
+@pytest.mark.parametrize("mode", ["cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov"])
 def test_each_policy_loss_trains_the_actor(example_doc, mode: str) -> None:
     doc = example_doc("tiny-grpo.yaml")
     doc["spec"]["data"]["batchSize"] = 4

@@ -1,5 +1,5 @@
 """The policy losses besides PPO's clipped surrogate and GSPO (hybridflow.algos), under verl's loss_mode names:
-CISPO, GPG, Clip-Cov and KL-Cov. Pure functions on [B, T] tensors, as in algos.
+CISPO, GPG, SAPO, GMPO (geo_mean), Clip-Cov and KL-Cov. Pure functions on [B, T] tensors, as in algos.
 
 Each takes the update's log-probs `log_probs` (with their graph), the old ones, the advantages ([B] or [B, T]) and
 the response mask, and returns the aggregated loss (algos.agg_loss with `agg` and `horizon`) and its metrics:
@@ -59,6 +59,54 @@ def gpg_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advant
     losses = -advantages * log_probs
     log_ratio, ratio = token_log_ratio(log_probs.detach(), old_log_probs)
     return agg_loss(_weighted(losses, weights), mask, agg, horizon), _ratio_metrics(log_ratio, ratio, mask)
+
+
+def sapo_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, tau_pos: float = 1.0, tau_neg: float = 1.05,
+                     agg: str = "seq-mean-token-mean", weights: torch.Tensor | None = None,
+                     horizon: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO (Gao et al. 2025, arXiv:2511.20347): a soft gate on the ratio in place of the hard clip,
+
+        L = -A * (4 / tau) * sigmoid(tau * (ratio - 1)),      tau = tau_pos where A > 0, else tau_neg
+
+    whose gradient is PPO's on-policy (ratio 1) and fades smoothly as the ratio leaves 1 (faster for negative
+    advantages when tau_neg > tau_pos). The paper aggregates with seq-mean-token-mean.
+    """
+    advantages = token_advantages(advantages, log_probs)
+    log_ratio, ratio = token_log_ratio(log_probs, old_log_probs)
+    tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
+    losses = -advantages * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
+    return agg_loss(_weighted(losses, weights), mask, agg, horizon), _ratio_metrics(log_ratio, ratio, mask)
+
+
+def geo_mean_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
+                         mask: torch.Tensor, clip_low: float = 0.4, clip_high: float = 0.4,
+                         weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO (Zhao et al. 2025, arXiv:2507.20673): the geometric mean of a sequence's token ratios in place of their
+    arithmetic mean, so one outlying token moves it less; each token's log-ratio d is clipped in log space, on the
+    side its advantage's sign s makes pessimistic:
+
+        d' = s * min(s * d, s * clip(d, -clip_low, clip_high))
+        L  = mean_b  -A_b * exp(mean_t d'_t)                  (A_b: the sequence's mean advantage)
+
+    Sequences, not tokens, are averaged, so lossAgg does not apply; `weights` enter as their geometric mean per
+    sequence. clip_frac: the tokens whose log-ratio was clipped.
+    """
+    advantages = token_advantages(advantages, log_probs)
+    m = mask.to(log_probs.dtype)
+    lengths = m.sum(dim=-1) + 1e-8
+    log_ratio = log_probs - old_log_probs
+    clipped = torch.clamp(log_ratio, -clip_low, clip_high)
+    sign = torch.sign(advantages)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped)
+    ratio = torch.exp((pessimistic * m).sum(dim=-1) / lengths)
+    losses = -(advantages * m).sum(dim=-1) / lengths * ratio
+    if weights is not None:
+        losses = losses * torch.exp((torch.log(weights + 1e-10) * m).sum(dim=-1) / lengths)
+    with torch.no_grad():
+        token_log_ratios, token_ratios = token_log_ratio(log_probs, old_log_probs)
+        clip_frac = masked_mean(((log_ratio != clipped) & (sign != 0)).to(m.dtype), mask).item()
+    return losses.mean(), {"clip_frac": clip_frac} | _ratio_metrics(token_log_ratios, token_ratios, mask)
 
 
 @torch.no_grad()

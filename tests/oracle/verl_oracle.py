@@ -52,6 +52,7 @@ def policy_loss(case: dict[str, Any]) -> dict[str, Any]:
     config = ActorConfig(strategy="fsdp", clip_ratio=case["clip_low"], clip_ratio_low=case["clip_low"],
                          clip_ratio_high=case["clip_high"], ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
                          rollout_n=1, policy_loss=PolicyLossConfig(loss_mode=case["kind"], **case.get("cov", {})),
+                         **case.get("actor", {}),
                          global_batch_info={"loss_scale_factor": case["horizon"]} if "horizon" in case else {})
     log_prob = t(case["log_probs"]).requires_grad_()
     loss, metrics = core_algos.get_policy_loss_fn(case["kind"])(
@@ -67,7 +68,7 @@ def policy_loss(case: dict[str, Any]) -> dict[str, Any]:
 
 CLIP_FRACTIONS = {"gspo": "clip_frac", "cispo": "clip_frac", "clip_cov": "cov_frac"}
 """verl's actor/pg_clipfrac: the clipped tokens, or for clip_cov those whose loss the covariance rule cut."""
-POLICY_LOSSES = ("gspo", "cispo", "gpg", "clip_cov", "kl_cov")
+POLICY_LOSSES = ("gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov")
 
 
 KINDS = {f.__name__: f for f in (rloo, reinforce_plus_plus, reinforce_plus_plus_baseline)} | {

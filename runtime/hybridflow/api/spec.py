@@ -79,7 +79,7 @@ CRITIC_ALGORITHMS: tuple[str, ...] = ("ppo",)
 """The algorithms that train a critic; every other one runs the critic-free graph."""
 GROUP_ALGORITHMS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 """The algorithms whose baseline comes from the other samples of the same prompt: samplesPerPrompt >= 2."""
-PolicyLoss = Literal["vanilla", "gspo", "cispo", "gpg", "clip_cov", "kl_cov"]
+PolicyLoss = Literal["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov"]
 
 
 def _group_message(name: str) -> str:
@@ -120,6 +120,16 @@ class Covariance(ApiModel):
         return self
 
 
+class SapoGate(ApiModel):
+    """SAPO's temperatures (verl's actor.tau_pos and tau_neg): the gate (4/tau) sigmoid(tau (ratio - 1)) falls off
+    faster from ratio 1 the larger tau; a larger one for negative advantages damps their updates more."""
+
+    tau_pos: float = Field(1.0, gt=0.0, le=100.0)
+    """Where the advantage is positive."""
+    tau_neg: float = Field(1.05, gt=0.0, le=100.0)
+    """Where it is zero or negative."""
+
+
 class Algorithm(ApiModel):
     """Which RL algorithm and its hyper-parameters.
 
@@ -137,10 +147,15 @@ class Algorithm(ApiModel):
     """`vanilla`: PPO's clipped surrogate on per-token ratios; `gspo`: the same on the sequence-level
     ratio (pi/pi_old)^(1/|y|), clipped per sequence (GSPO; the paper uses lossAgg seq-mean-token-mean and
     clip ranges near 3e-4/4e-4); `cispo`: -sg(clip(ratio)) x A x log pi, every token keeps its gradient (MiniMax-M1);
-    `gpg`: -A x log pi, no ratio (GPG); `clip_cov` and `kl_cov`: PPO's surrogate with the tokens of highest
-    advantage/log-prob covariance cut or penalised, against entropy collapse (covariance sets their shares)."""
+    `gpg`: -A x log pi, no ratio (GPG); `sapo`: a soft sigmoid gate on the ratio instead of the clip (SAPO; its paper
+    uses lossAgg seq-mean-token-mean); `geo_mean`: the geometric mean of a sequence's token ratios, clipped in log
+    space by clipRatio and clipRatioHigh (GMPO, the paper: 0.4 each), averaged over sequences whatever lossAgg;
+    `clip_cov` and `kl_cov`: PPO's surrogate with the tokens of highest advantage/log-prob covariance cut or
+    penalised, against entropy collapse (covariance sets their shares)."""
     covariance: Covariance = Field(default_factory=Covariance)
     """The token picks of policyLoss clip_cov and kl_cov."""
+    sapo: SapoGate = Field(default_factory=SapoGate)
+    """The gate of policyLoss sapo."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
     clip_ratio: float = Field(0.2, gt=0.0, lt=1.0)

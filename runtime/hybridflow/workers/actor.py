@@ -242,6 +242,11 @@ class ActorRolloutWorker:
                                                        weights=w, horizon=horizon)
             case "gpg":
                 return policy_losses.gpg_policy_loss(old, logp, adv, mask, agg=agg, weights=w, horizon=horizon)
+            case "sapo":
+                return policy_losses.sapo_policy_loss(old, logp, adv, mask, tau_pos=algo.sapo.tau_pos,
+                                                      tau_neg=algo.sapo.tau_neg, agg=agg, weights=w, horizon=horizon)
+            case "geo_mean":
+                return policy_losses.geo_mean_policy_loss(old, logp, adv, mask, clip_low=low, clip_high=high, weights=w)
             case "clip_cov":
                 return policy_losses.clip_cov_policy_loss(
                     old, logp, adv, mask, clip_low=low, clip_high=high, share=cov.clip_ratio,
