@@ -42,10 +42,12 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "ppo_policy_loss",
+    "ratio_metrics",
     "scores_to_token_rewards",
     "token_advantages",
     "token_log_ratio",
     "value_loss",
+    "weighted",
 ]
 
 AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -383,6 +385,18 @@ def token_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> tup
     return log_ratio, torch.exp(log_ratio)
 
 
+def weighted(losses: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Each token's loss times its weight w (behaviour_weights for a batch one version behind); None: w = 1."""
+    return losses if weights is None else losses * weights
+
+
+@torch.no_grad()
+def ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """approx_kl, the k3 estimate of KL(pi_old || pi), mean(ratio - 1 - log ratio) >= 0; and ratio_mean."""
+    return {"approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask).item(),
+            "ratio_mean": masked_mean(ratio, mask).item()}
+
+
 @torch.no_grad()
 def behaviour_weights(proximal_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor,
                       cap: float) -> torch.Tensor:
@@ -441,16 +455,14 @@ def ppo_policy_loss(
         losses = torch.where(advantages < 0, torch.minimum(losses, bound), losses)
     else:
         dual_hit = torch.zeros_like(losses, dtype=torch.bool)
-    if weights is not None:
-        losses = losses * weights
+    losses = weighted(losses, weights)
 
     loss = agg_loss(losses, mask, agg, horizon)
 
     with torch.no_grad():
         metrics = {
             "clip_frac": masked_mean((clipped > unclipped).to(losses.dtype), mask).item(),
-            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask).item(),
-            "ratio_mean": masked_mean(ratio, mask).item(),
+            **ratio_metrics(log_ratio, ratio, mask),
             "dual_clip_frac": masked_mean(dual_hit.to(losses.dtype), mask).item(),
         }
     return loss, metrics
@@ -514,7 +526,7 @@ def gspo_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     losses = torch.maximum(unclipped, clipped)
-    loss = agg_loss(losses if weights is None else losses * weights, mask, agg, horizon)
+    loss = agg_loss(weighted(losses, weights), mask, agg, horizon)
 
     with torch.no_grad():
         log_ratio, token_ratio = token_log_ratio(log_probs, old_log_probs)

@@ -12,17 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.algos import agg_loss, masked_mean, token_advantages, token_log_ratio
-
-
-def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    with torch.no_grad():
-        return {"approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask).item(),
-                "ratio_mean": masked_mean(ratio, mask).item()}
-
-
-def _weighted(losses: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    return losses if weights is None else losses * weights
+from hybridflow.algos import agg_loss, masked_mean, ratio_metrics, token_advantages, token_log_ratio, weighted
 
 
 def cispo_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -40,10 +30,10 @@ def cispo_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, adva
     log_ratio, ratio = token_log_ratio(log_probs, old_log_probs)
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     losses = -clipped.detach() * advantages * log_probs
-    loss = agg_loss(_weighted(losses, weights), mask, agg, horizon)
+    loss = agg_loss(weighted(losses, weights), mask, agg, horizon)
     with torch.no_grad():
         clip_frac = masked_mean((clipped != ratio).to(losses.dtype), mask).item()
-    return loss, {"clip_frac": clip_frac} | _ratio_metrics(log_ratio, ratio, mask)
+    return loss, {"clip_frac": clip_frac} | ratio_metrics(log_ratio, ratio, mask)
 
 
 def gpg_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -58,7 +48,7 @@ def gpg_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advant
     advantages = token_advantages(advantages, log_probs)
     losses = -advantages * log_probs
     log_ratio, ratio = token_log_ratio(log_probs.detach(), old_log_probs)
-    return agg_loss(_weighted(losses, weights), mask, agg, horizon), _ratio_metrics(log_ratio, ratio, mask)
+    return agg_loss(weighted(losses, weights), mask, agg, horizon), ratio_metrics(log_ratio, ratio, mask)
 
 
 def sapo_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -76,7 +66,7 @@ def sapo_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advan
     log_ratio, ratio = token_log_ratio(log_probs, old_log_probs)
     tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
     losses = -advantages * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
-    return agg_loss(_weighted(losses, weights), mask, agg, horizon), _ratio_metrics(log_ratio, ratio, mask)
+    return agg_loss(weighted(losses, weights), mask, agg, horizon), ratio_metrics(log_ratio, ratio, mask)
 
 
 def geo_mean_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -106,7 +96,7 @@ def geo_mean_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, a
     with torch.no_grad():
         token_log_ratios, token_ratios = token_log_ratio(log_probs, old_log_probs)
         clip_frac = masked_mean(((log_ratio != clipped) & (sign != 0)).to(m.dtype), mask).item()
-    return losses.mean(), {"clip_frac": clip_frac} | _ratio_metrics(token_log_ratios, token_ratios, mask)
+    return losses.mean(), {"clip_frac": clip_frac} | ratio_metrics(token_log_ratios, token_ratios, mask)
 
 
 @torch.no_grad()
@@ -146,11 +136,11 @@ def clip_cov_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, a
     keep = torch.ones_like(unclipped)
     keep[cut[:, 0], cut[:, 1]] = 0.0
     losses = torch.maximum(unclipped, clipped) * keep
-    loss = agg_loss(_weighted(losses, weights), mask, agg, horizon)
+    loss = agg_loss(weighted(losses, weights), mask, agg, horizon)
     with torch.no_grad():
         metrics = {"clip_frac": masked_mean(clip_wins.to(losses.dtype), mask).item(),
                    "cov_frac": masked_mean((keep == 0).to(losses.dtype), mask).item()}
-    return loss, metrics | _ratio_metrics(log_ratio, ratio, mask)
+    return loss, metrics | ratio_metrics(log_ratio, ratio, mask)
 
 
 def kl_cov_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -174,7 +164,7 @@ def kl_cov_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, adv
         top = torch.topk(c.flatten(), _picked(valid, share)).indices
         picked.view(-1)[top] = True
         losses = torch.where(picked, losses + coef * (log_probs - old_log_probs).abs(), losses)
-    loss = agg_loss(_weighted(losses, weights), mask, agg, horizon)
+    loss = agg_loss(weighted(losses, weights), mask, agg, horizon)
     with torch.no_grad():
         cov_frac = masked_mean(picked.to(losses.dtype), mask).item()
-    return loss, {"cov_frac": cov_frac} | _ratio_metrics(log_ratio, ratio, mask)
+    return loss, {"cov_frac": cov_frac} | ratio_metrics(log_ratio, ratio, mask)

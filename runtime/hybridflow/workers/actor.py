@@ -101,9 +101,6 @@ class ActorRolloutWorker:
         """The module that generates: old log-probs are its own, the policy the samples came from."""
         self.eval_sampling = Sampling.for_eval(spec.trainer.eval, spec.rollout)
         self.version = 0
-        self.rollout_current = True
-        """The rollout engine holds the trained weights (no optimiser step since it last got them): a sync has
-        nothing to copy."""
         self.old_from_update = old_log_probs_from_update(spec, lag)
         self.shuffle = torch.Generator().manual_seed(seed if shuffle_seed is None else shuffle_seed)
         self.sp = SequenceParallel.for_model(spec.model.policy.sequence_parallel, self.model.config,
@@ -212,18 +209,17 @@ class ActorRolloutWorker:
                            max_grad_norm=self.spec.trainer.max_grad_norm, device=self.device,
                            limits=self.spec.trainer.training, agg=algo.loss_agg)
         self.version += 1
-        self.rollout_current = False
         out["actor_grad_norm"] = out.pop("grad_norm")
         out["actor_lr"] = lr
-        return out | self._step_record(lag)
+        return out | self._lag_and_footprint(lag)
 
     def _frozen_step(self, lag: int) -> dict[str, float]:
         """A step of the critic's warm-up: no pass and no optimiser step, the weights stay; the version still
         counts the step, so that versions, lags and checkpoints mean the same with or without a warm-up."""
         self.version += 1
-        return {"actor_lr": 0.0} | self._step_record(lag)
+        return {"actor_lr": 0.0} | self._lag_and_footprint(lag)
 
-    def _step_record(self, lag: int) -> dict[str, float]:
+    def _lag_and_footprint(self, lag: int) -> dict[str, float]:
         footprint = training_footprint(self.model, self.training.layout.optimizer, self.training.parameter_counts())
         return {"policy_lag": float(lag)} | footprint.record("actor")
 
@@ -271,11 +267,11 @@ class ActorRolloutWorker:
     def sync_rollout(self) -> tuple[int, int]:
         """The trained policy into the rollout engine: (the version it now holds, the bytes copied). From the
         shards when the copy stays released: each weight is gathered, copied out and dropped in turn."""
-        if self.rollout_current:  # a step of the critic's warm-up
+        if self.version <= self.spec.trainer.critic_warmup_steps:
+            # no optimiser step yet: the engine holds the weights it started with or got from a checkpoint's load
             self.rollout.version = self.version
             return self.version, 0
         moved = self.rollout.sync_weights(self.training.current, self.version)
-        self.rollout_current = True
         return self.version, moved
 
     def weights(self) -> dict[str, torch.Tensor]:
