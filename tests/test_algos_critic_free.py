@@ -1,4 +1,5 @@
-"""Unit tests for RLOO, REINFORCE++ (plain and with a group baseline) and GSPO in hybridflow.algos, on inputs
+"""Unit tests for RLOO, REINFORCE++ (plain and with a group baseline), OPO, Pass@k, ReMax and GSPO in
+hybridflow.algos, on inputs
 small enough to check by hand. tests/test_algos_oracle.py compares the same functions with verl's."""
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ import torch
 from hybridflow.algos import (
     AGG_MODES,
     compute_discounted_returns,
+    compute_grpo_passk_advantages,
+    compute_opo_advantages,
     compute_reinforce_plus_plus_advantages,
     compute_reinforce_plus_plus_baseline_advantages,
+    compute_remax_advantages,
     compute_rloo_advantages,
     gspo_log_ratio,
     gspo_policy_loss,
@@ -117,6 +121,44 @@ def test_reinforce_plus_plus_baseline_lone_sample_has_no_baseline() -> None:
     adv = compute_reinforce_plus_plus_baseline_advantages(torch.tensor([2.0, 1.0, 3.0]), [0, 1, 1],
                                                           torch.ones(3, 1), whiten=False)
     assert adv.tolist() == [[2.0], [-1.0], [1.0]]
+
+
+# -- OPO, Pass@k, ReMax ----------------------------------------------------------------------------
+
+
+def test_opo_baseline_is_the_length_weighted_group_mean() -> None:
+    scores = torch.tensor([1.0, 0.0, 0.0, 2.0, 5.0])
+    lengths = torch.tensor([3, 1, 4, 2, 7])
+    adv = compute_opo_advantages(scores, ["a", "a", "a", "b", "c"], lengths)
+    # a: b = (3*1 + 1*0 + 4*0) / 8 = 0.375; b, c: alone, baseline 0.
+    assert adv.tolist() == [0.625, -0.375, -0.375, 2.0, 5.0]
+    # with equal lengths the baseline is the plain mean, as GRPO's without the std
+    even = compute_opo_advantages(scores[:3], [0, 0, 0], torch.ones(3))
+    assert torch.allclose(even, scores[:3] - scores[:3].mean())
+
+
+def test_passk_rewards_only_the_best_by_its_lead_over_the_second() -> None:
+    scores = torch.tensor([0.2, 0.9, 0.5, 1.0, 1.0, 0.0, 3.0])
+    groups = [0, 0, 0, 1, 1, 1, 2]
+    with pytest.raises(ValueError, match="at least 2 samples in every group"):
+        compute_grpo_passk_advantages(scores, groups)
+    groups[-1] = 1
+    raw = compute_grpo_passk_advantages(scores, groups, normalize_std=False)
+    # group 0: 0.9 leads 0.5 by 0.4; group 1: 3.0 leads 1.0 by 2.0; everyone else 0.
+    assert torch.allclose(raw, torch.tensor([0.0, 0.4, 0.0, 0.0, 0.0, 0.0, 2.0]))
+    normed = compute_grpo_passk_advantages(scores, groups)
+    std0, std1 = scores[:3].std(), scores[3:].std()
+    assert torch.allclose(normed, torch.tensor([0.0, 0.4 / (std0 + 1e-6), 0.0, 0.0, 0.0, 0.0, 2.0 / (std1 + 1e-6)]))
+    tied = compute_grpo_passk_advantages(torch.tensor([1.0, 1.0, 0.0]), [0, 0, 0])
+    assert tied.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_remax_subtracts_the_greedy_reward_from_the_reward_to_go() -> None:
+    rewards = torch.tensor([[0.1, 0.2, 1.0], [0.5, 0.0, 0.0]])
+    mask = right_padded_mask([3, 1], 3)
+    adv, returns = compute_remax_advantages(rewards, torch.tensor([0.5, 1.0]), mask)
+    assert torch.allclose(returns, torch.tensor([[1.3, 1.2, 1.0], [0.5, 0.0, 0.0]]))
+    assert torch.allclose(adv, torch.tensor([[0.8, 0.7, 0.5], [-0.5, 0.0, 0.0]]))
 
 
 # -- GSPO ------------------------------------------------------------------------------------------

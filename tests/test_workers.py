@@ -16,6 +16,7 @@ from hybridflow.data.prompts import PromptSampler, load_rows
 from hybridflow.data.tiny import TINY_CONFIG, ensure_tiny_model, tiny_task_reward
 from hybridflow.metrics import MetricsLog
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
+from hybridflow.workers.decoding import Sampling
 from hybridflow.workers.host import WorkerHost
 from hybridflow.workers.modeling import load_causal_lm, position_ids, response_log_probs
 from hybridflow.workers.reward import RewardFunctionError, RewardWorker, gsm8k_reward, resolve_reward_function
@@ -61,7 +62,8 @@ def test_one_ppo_step_in_process(ppo_spec) -> None:
 
 
 @pytest.mark.parametrize(("name", "policy_loss"), [("rloo", "vanilla"), ("reinforce_plus_plus", "vanilla"),
-                                                  ("reinforce_plus_plus_baseline", "vanilla"), ("grpo", "gspo")])
+                                                  ("reinforce_plus_plus_baseline", "vanilla"), ("grpo", "gspo"),
+                                                  ("opo", "vanilla"), ("grpo_passk", "vanilla"), ("remax", "vanilla")])
 def test_one_critic_free_step_in_process(example_doc, name: str, policy_loss: str) -> None:
     doc = example_doc("tiny-grpo.yaml")
     doc["spec"]["data"]["batchSize"] = 4
@@ -85,6 +87,9 @@ def test_one_critic_free_step_in_process(example_doc, name: str, policy_loss: st
         "reinforce_plus_plus_baseline": lambda: algos.compute_reinforce_plus_plus_baseline_advantages(
             seq, batch.group_ids, mask),
         "grpo": lambda: algos.compute_grpo_advantages(seq, batch.group_ids).unsqueeze(-1) * mask,
+        "opo": lambda: algos.compute_opo_advantages(seq, batch.group_ids, mask.sum(-1)).unsqueeze(-1) * mask,
+        "grpo_passk": lambda: algos.compute_grpo_passk_advantages(seq, batch.group_ids).unsqueeze(-1) * mask,
+        "remax": lambda: algos.compute_remax_advantages(rewards, batch.tensors["reward_baselines"], mask)[0],
     }[name]()
     assert torch.allclose(batch.tensors["advantages"], expected)
     before = [p.detach().clone() for p in actor.workers["actor_rollout"].model.parameters()]
@@ -92,6 +97,27 @@ def test_one_critic_free_step_in_process(example_doc, name: str, policy_loss: st
     assert {"actor_loss", "clip_frac", "approx_kl", "ratio_mean"} <= set(out)
     after = list(actor.workers["actor_rollout"].model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_remax_rollout_carries_each_prompts_greedy_answer_and_its_score(example_doc) -> None:
+    """The baseline is the answer greedy decoding gives (the same as a greedy evaluation's), once per prompt for
+    all its samples, scored by the job's reward; the samples themselves stay sampled."""
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["algorithm"]["name"] = "remax"
+    spec = parse_job(doc).spec
+    host = WorkerHost(spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
+    r, _ = rows(3)
+    groups = [7, 7, 7, 2, 2, 9]
+    batch = host.rollout([r[0]] * 3 + [r[1]] * 2 + [r[2]], groups, ["reward"])
+    actor = host.workers["actor_rollout"]
+    greedy = actor.rollout.generate(r, [0, 1, 2], actor.generating_version(), Sampling(0.0)).responses
+    assert batch.baselines == [greedy[0]] * 3 + [greedy[1]] * 2 + [greedy[2]]
+    assert len(set(batch.responses[:3])) > 1  # sampled, unlike the baseline
+    want = [tiny_task_reward(p, b, a) for p, b, a in zip(batch.prompts, batch.baselines, batch.answers, strict=True)]
+    assert batch.tensors["reward_baselines"].tolist() == want
+    assert "generate_baseline" in batch.timings
+    shard = batch.balanced(2).shard(2)[1]
+    assert shard.baselines == [batch.baselines[batch.prompts.index(p)] for p in shard.prompts]
 
 
 def test_one_on_policy_step_takes_its_old_log_probs_from_its_own_forward_pass(example_doc) -> None:
@@ -373,6 +399,15 @@ def test_reward_model_with_a_sequence_classification_head(example_doc, tmp_path)
     micro.model.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
     torch.testing.assert_close(micro.score(copy.deepcopy(batch)).tensors["scores"], scores, rtol=1e-5, atol=1e-6)
     assert seen == [3, 3, 2]
+    # remax: the greedy answer of each prompt scored once (the prompt's first row carries it), for all its rows
+    greedy = copy.deepcopy(batch)
+    greedy.group_ids = [0, 0, 1, 1, 1, 2, 3, 3]
+    first = [0, 0, 2, 2, 2, 5, 6, 6]
+    greedy.baselines = [greedy.responses[f] for f in first]
+    seen.clear()
+    micro.score(greedy)
+    torch.testing.assert_close(greedy.tensors["reward_baselines"], scores[first], rtol=1e-5, atol=1e-6)
+    assert seen == [3, 3, 2, 3, 1]
     doc["spec"]["reward"]["model"]["dtype"] = "bfloat16"
     assert next(RewardWorker(parse_job(doc).spec, torch.device("cpu")).model.parameters()).dtype == torch.bfloat16
 

@@ -11,9 +11,10 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
     """Token rewards (score on the last token, minus beta*KL when mode=reward), then the algorithm's estimator;
     `kl` is the batch's mean KL of the old policy to the reference.
 
-    ppo: GAE on the critic's values; grpo, rloo, reinforce_plus_plus_baseline: one advantage per sequence
-    from its group (the sum of its token rewards against the other samples of its prompt), on every
-    valid token; reinforce_plus_plus: discounted per-token returns, whitened over the batch.
+    ppo: GAE on the critic's values; grpo, rloo, reinforce_plus_plus_baseline, opo, grpo_passk: one advantage
+    per sequence from its group (the sum of its token rewards against the other samples of its prompt), on every
+    valid token; reinforce_plus_plus: discounted per-token returns, whitened over the batch; remax: the returns
+    less the reward of the prompt's greedy response (`reward_baselines`, scored by the reward step).
     """
     algo = spec.algorithm
     mask = batch.response_mask.float()
@@ -43,6 +44,15 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
                                                                     whiten=algo.normalize_advantages)
     elif algo.name == "rloo":
         adv = algos.compute_rloo_advantages(seq, batch.group_ids).unsqueeze(-1) * mask
+    elif algo.name == "opo":
+        adv = algos.compute_opo_advantages(seq, batch.group_ids, mask.sum(-1)).unsqueeze(-1) * mask
+    elif algo.name == "grpo_passk":
+        adv = algos.compute_grpo_passk_advantages(seq, batch.group_ids, normalize_std=algo.normalize_advantages)
+        adv = adv.unsqueeze(-1) * mask
+    elif algo.name == "remax":
+        baselines = batch.tensors["reward_baselines"]
+        adv, _ = algos.compute_remax_advantages(token_rewards, baselines, mask)
+        out["reward_baseline_mean"] = float(baselines.mean())
     else:
         adv = algos.compute_grpo_advantages(seq, batch.group_ids, normalize_std=algo.normalize_advantages)
         adv = adv.unsqueeze(-1) * mask

@@ -335,6 +335,67 @@ def compute_reinforce_plus_plus_baseline_advantages(
     return masked_whiten(per_token, mask) if whiten else per_token
 
 
+@torch.no_grad()
+def compute_opo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence[Hashable],
+                           lengths: torch.Tensor) -> torch.Tensor:
+    """OPO's advantages (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv:2505.23585): [B] -> [B].
+
+        A_i = r_i - b_g,   b_g = sum_{j in g} |y_j| r_j / sum_{j in g} |y_j|
+
+    |y_j| is response j's number of valid tokens: the baseline that minimises the gradient's variance when each
+    sequence's gradient norm grows with its length. Not normalised. A group of one has baseline 0 (as verl's `opo`).
+    """
+    r = _sequence_scores(scores)
+    index = _group_index(group_ids, r.numel(), r.device)
+    n = lengths.to(r.dtype)
+    count, _ = _group_stats(r, index)
+    weight = torch.zeros_like(count).index_add_(0, index, n)
+    baseline = torch.zeros_like(count).index_add_(0, index, n * r) / weight.clamp_min(torch.finfo(r.dtype).tiny)
+    return r - torch.where(count > 1, baseline, torch.zeros_like(baseline))[index]
+
+
+@torch.no_grad()
+def compute_grpo_passk_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence[Hashable],
+                                  eps: float = 1e-6, normalize_std: bool = True) -> torch.Tensor:
+    """Pass@k advantages (Chen et al. 2025, "Pass@k Training for Adaptively Balancing Exploration and Exploitation
+    of Large Reasoning Models", arXiv:2503.19595, as verl's `grpo_passk`): [B] -> [B].
+
+        A_best = (r_max - r_second) / (std_g + eps),   A_i = 0 for every other sample of the group
+
+    The group's k samples are rewarded as one attempt at the prompt: only the best one learns, by how far it leads
+    the runner-up (a tie for the best gives 0). std_g is unbiased; normalize_std=False drops the
+    division. Every group needs at least two samples.
+    """
+    r = _sequence_scores(scores)
+    index = _group_index(group_ids, r.numel(), r.device)
+    count, _ = _group_stats(r, index)
+    if bool((count < 2).any()):
+        raise ValueError("grpo_passk needs at least 2 samples in every group")
+    advantages = torch.zeros_like(r)
+    for g in range(count.numel()):
+        rows = (index == g).nonzero().squeeze(-1)
+        group = r[rows]
+        top = torch.topk(group, 2)
+        lead = top.values[0] - top.values[1]
+        advantages[rows[top.indices[0]]] = lead / (group.std() + eps) if normalize_std else lead
+    return advantages
+
+
+@torch.no_grad()
+def compute_remax_advantages(token_rewards: torch.Tensor, baselines: torch.Tensor,
+                             mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax's advantages (Li et al. 2024, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method
+    for Aligning Large Language Models", arXiv:2310.10505), all [B, T]:
+
+        G_t = sum_{s >= t} r_s,   A_t = G_t - b          (on valid tokens; 0 elsewhere)
+
+    b [B] is the reward of the greedy response to the same prompt: a baseline that needs no critic and no group,
+    one more generation per prompt instead. Not normalised. Returns (advantages, returns).
+    """
+    returns = compute_discounted_returns(token_rewards, mask, 1.0)
+    return returns - baselines.to(returns.dtype).unsqueeze(-1) * mask.to(returns.dtype), returns
+
+
 # --------------------------------------------------------------------------------------------------
 # losses
 # --------------------------------------------------------------------------------------------------

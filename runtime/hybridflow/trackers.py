@@ -33,6 +33,7 @@ TRACKERS = tuple(EXTRAS)
 NAMES: dict[str, str] = {
     "reward_mean": "rollout/reward_mean",
     "reward_max": "rollout/reward_max",
+    "reward_baseline_mean": "rollout/reward_baseline_mean",
     "response_length": "rollout/response_length",
     "kl": "actor/kl",
     "kl_coef": "actor/kl_coef",

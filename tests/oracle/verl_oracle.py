@@ -47,6 +47,25 @@ def reinforce_plus_plus_baseline(case: dict[str, Any]) -> dict[str, Any]:
     return {"advantages": lists(adv)}
 
 
+def opo(case: dict[str, Any]) -> dict[str, Any]:
+    adv, _ = core_algos.compute_opo_outcome_advantage(
+        t(case["token_rewards"]), t(case["mask"]), np.array(case["index"], dtype=object))
+    return {"advantages": lists(adv)}
+
+
+def grpo_passk(case: dict[str, Any]) -> dict[str, Any]:
+    adv, _ = core_algos.compute_grpo_passk_outcome_advantage(
+        t(case["token_rewards"]), t(case["mask"]), np.array(case["index"], dtype=object),
+        config=AlgoConfig(norm_adv_by_std_in_grpo=case["normalize"]))
+    return {"advantages": lists(adv)}
+
+
+def remax(case: dict[str, Any]) -> dict[str, Any]:
+    adv, ret = core_algos.compute_remax_outcome_advantage(
+        t(case["token_rewards"]), t(case["baselines"]), t(case["mask"]), config=AlgoConfig())
+    return {"advantages": lists(adv), "returns": lists(ret)}
+
+
 def policy_loss(case: dict[str, Any]) -> dict[str, Any]:
     """The loss_mode named by the case's kind; its clip fraction under the name hybridflow gives it."""
     config = ActorConfig(strategy="fsdp", clip_ratio=case["clip_low"], clip_ratio_low=case["clip_low"],
@@ -71,7 +90,8 @@ CLIP_FRACTIONS = {"gspo": "clip_frac", "cispo": "clip_frac", "clip_cov": "cov_fr
 POLICY_LOSSES = ("gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov")
 
 
-KINDS = {f.__name__: f for f in (rloo, reinforce_plus_plus, reinforce_plus_plus_baseline)} | {
+KINDS = {f.__name__: f for f in (rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk,
+                                 remax)} | {
     mode: policy_loss for mode in POLICY_LOSSES}
 
 

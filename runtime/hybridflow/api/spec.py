@@ -73,18 +73,19 @@ class KLPenalty(ApiModel):
     """Horizon, in samples, of the adaptive controller."""
 
 
-AlgorithmName = Literal["ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+AlgorithmName = Literal["ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo",
+                        "grpo_passk", "remax"]
 ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
 CRITIC_ALGORITHMS: tuple[str, ...] = ("ppo",)
 """The algorithms that train a critic; every other one runs the critic-free graph."""
-GROUP_ALGORITHMS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-"""The algorithms whose baseline comes from the other samples of the same prompt: samplesPerPrompt >= 2."""
+GROUP_ALGORITHMS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk")
+"""The algorithms whose baseline comes from the samples of the same prompt: samplesPerPrompt >= 2."""
 PolicyLoss = Literal["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov"]
 
 
 def _group_message(name: str) -> str:
     return (f"rollout.samplesPerPrompt must be at least 2 for {name} "
-            "(its baseline comes from the other samples of the same prompt)")
+            "(its baseline comes from the samples of the same prompt)")
 
 
 _COV_BOUNDS = "covariance.clipLowerBound must be below covariance.clipUpperBound"
@@ -140,9 +141,12 @@ class Algorithm(ApiModel):
 
     name: AlgorithmName = "ppo"
     """`ppo`: a critic and GAE. Critic-free: `grpo` (group-normalised scores), `rloo` (leave-one-out
-    baseline), `reinforce_plus_plus` (discounted returns whitened over the batch) and
-    `reinforce_plus_plus_baseline` (group-mean baseline, then whitened). grpo, rloo and
-    reinforce_plus_plus_baseline need rollout.samplesPerPrompt >= 2."""
+    baseline), `reinforce_plus_plus` (discounted returns whitened over the batch),
+    `reinforce_plus_plus_baseline` (group-mean baseline, then whitened), `opo` (the group's length-weighted mean
+    score as baseline), `grpo_passk` (Pass@k: only each group's best response learns, from its lead over the
+    second best) and `remax` (the score of the prompt's greedy response as baseline: the rollout answers each
+    prompt greedily too, and the reward scores that answer). grpo, rloo, reinforce_plus_plus_baseline, opo and
+    grpo_passk need rollout.samplesPerPrompt >= 2."""
     policy_loss: PolicyLoss = "vanilla"
     """`vanilla`: PPO's clipped surrogate on per-token ratios; `gspo`: the same on the sequence-level
     ratio (pi/pi_old)^(1/|y|), clipped per sequence (GSPO; the paper uses lossAgg seq-mean-token-mean and
@@ -181,8 +185,8 @@ class Algorithm(ApiModel):
     `seq-mean-token-sum-norm` of each one's sum divided by data.maxResponseLength (Dr. GRPO, with
     normalizeAdvantages false: no bias towards short or long responses)."""
     normalize_advantages: bool = True
-    """ppo: whiten advantages over the batch; grpo: divide by the group std; reinforce_plus_plus(_baseline):
-    whiten over the batch (false skips it); rloo: never normalised."""
+    """ppo: whiten advantages over the batch; grpo and grpo_passk: divide by the group std;
+    reinforce_plus_plus(_baseline): whiten over the batch (false skips it); rloo, opo and remax: never normalised."""
 
     @property
     def trains_critic(self) -> bool:

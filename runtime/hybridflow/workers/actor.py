@@ -17,7 +17,7 @@ from hybridflow.plan import (
     optimizer_steps,
     policy_copy_read_between_updates,
 )
-from hybridflow.workers.batch import PolicyVersionError, RolloutBatch
+from hybridflow.workers.batch import PolicyVersionError, RolloutBatch, first_of_each_group
 from hybridflow.workers.decoding import Sampling
 from hybridflow.workers.footprint import training_footprint
 from hybridflow.workers.lr_schedule import learning_rate
@@ -118,7 +118,19 @@ class ActorRolloutWorker:
         return held
 
     def generate(self, rows: list[dict[str, str]], group_ids: list[int]) -> RolloutBatch:
-        return self.rollout.generate(rows, group_ids, self.generating_version())
+        """The samples; for remax also each prompt's greedy response (`RolloutBatch.baselines`), by the same
+        policy version, generated once per group."""
+        version = self.generating_version()
+        if self.spec.algorithm.name != "remax":
+            return self.rollout.generate(rows, group_ids, version)
+        first = first_of_each_group(group_ids)
+        with self.rollout.awake():
+            batch = self.rollout.generate(rows, group_ids, version)
+            greedy = self.rollout.generate([rows[i] for i in first.values()], list(first), version, Sampling(0.0))
+        answer = dict(zip(first, greedy.responses, strict=True))
+        batch.baselines = [answer[g] for g in group_ids]
+        batch.add_timing("generate_baseline", greedy.timings["generate"])
+        return batch
 
     def evaluate(self, rows: list[dict[str, str]], group_ids: list[int], seed: int) -> RolloutBatch:
         """Responses to val prompts with spec.trainer.eval's sampling; the weights, the version and the

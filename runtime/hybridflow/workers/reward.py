@@ -11,7 +11,7 @@ import torch
 
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.data.tiny import tiny_task_reward
-from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.batch import RolloutBatch, first_of_each_group
 from hybridflow.workers.modeling import DTYPES, check_model_dir, in_micro_batches
 
 RewardFn = Callable[[str, str, str], float]
@@ -84,15 +84,23 @@ class RewardWorker:
 
     @torch.no_grad()
     def score(self, batch: RolloutBatch) -> RolloutBatch:
+        """`scores` [B]; with remax's greedy responses also `reward_baselines` [B], scored once per prompt."""
         t0 = time.perf_counter()
-        if self.fn is not None:
-            scores = [float(self.fn(p, r, a)) for p, r, a in zip(batch.prompts, batch.responses, batch.answers,
-                                                                    strict=True)]
-            batch.tensors["scores"] = torch.tensor(scores, dtype=torch.float32)
-        elif self.model is not None:
-            batch.tensors["scores"] = in_micro_batches(batch, self.limits, self._model_scores)
+        batch.tensors["scores"] = self._scores(batch)
+        if batch.baselines:
+            first = first_of_each_group(batch.group_ids)
+            greedy = batch.slice_index(torch.tensor(list(first.values())))
+            greedy.responses = greedy.baselines
+            of_group = dict(zip(first, self._scores(greedy).tolist(), strict=True))
+            batch.tensors["reward_baselines"] = torch.tensor([of_group[g] for g in batch.group_ids])
         batch.add_timing("reward", time.perf_counter() - t0)
         return batch
+
+    def _scores(self, batch: RolloutBatch) -> torch.Tensor:
+        if self.fn is not None:
+            return torch.tensor([float(self.fn(p, r, a)) for p, r, a in zip(batch.prompts, batch.responses,
+                                                                              batch.answers, strict=True)])
+        return in_micro_batches(batch, self.limits, self._model_scores)
 
     def _model_scores(self, batch: RolloutBatch) -> torch.Tensor:
         assert self.model is not None

@@ -35,6 +35,10 @@ class RolloutBackend(Protocol):
         Returns the bytes copied (0 when generation runs on `model` itself)."""
         ...
 
+    def awake(self) -> contextlib.AbstractContextManager[None]:
+        """For several generate calls in a row: an engine that sleeps between rollouts sleeps after the last."""
+        ...
+
 
 def generation_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights generation runs: a LoRA policy's adapters merged into its base weights under the base
@@ -154,6 +158,9 @@ class TorchRollout:
         self.version = version
         return moved
 
+    def awake(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
 
 def vllm_engine_args(model_path: str, cfg: Rollout, max_model_len: int, dtype: str, seed: int, *, on_cpu: bool,
                      can_sleep: bool, host_memory_bytes: int) -> dict[str, Any]:
@@ -199,6 +206,16 @@ class VllmRollout:
         self.bucket_bytes = bucket_bytes
         self.version = 0
         self.asleep = False
+        self.held = False
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[None]:
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+            self.sleep()
 
     def _params(self, how: Sampling, seed: int | None) -> Any:
         from vllm import SamplingParams
@@ -242,7 +259,7 @@ class VllmRollout:
 
     def sleep(self) -> None:
         """Level 1: weights kept in host memory, KV cache freed."""
-        if self.can_sleep and not self.asleep:
+        if self.can_sleep and not self.asleep and not self.held:
             self.llm.sleep(level=1)
             self.asleep = True
 
