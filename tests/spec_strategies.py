@@ -384,6 +384,15 @@ def covariance_bounds(draw: st.DrawFn, spec: dict[str, Any]) -> None:
         "clipLowerBound": st.sampled_from([0.5, 1.0, 5.0, 6.0]), "clipUpperBound": st.sampled_from([0.5, 1.0, 5.0])}))
 
 
+def dro_beta(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    """policyLoss dro needs droBeta (absent, null or a number)."""
+    algorithm = _section(spec, "algorithm")
+    algorithm["policyLoss"] = draw(st.sampled_from(["dro", "vanilla"]))
+    beta = draw(st.sampled_from(["absent", None, 0.1]))
+    if beta != "absent":
+        algorithm["droBeta"] = beta
+
+
 def critic_warmup(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     """trainer.criticWarmupSteps above 0 needs an algorithm with a critic (ppo, the default name)."""
     _section(spec, "trainer")["criticWarmupSteps"] = draw(st.sampled_from([0, 3]))
@@ -482,7 +491,7 @@ def job_name(draw: st.DrawFn, doc: dict[str, Any]) -> None:
 
 RULES: list[Callable[[st.DrawFn, dict[str, Any]], None]] = [
     group_samples, mini_batch, reward_model, rollout_engine, evaluation, lr_schedule, critic_warmup, covariance_bounds,
-    export_adapters, replicas, graph, pod_settings,
+    dro_beta, export_adapters, replicas, graph, pod_settings,
 ]
 
 

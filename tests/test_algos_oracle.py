@@ -170,6 +170,9 @@ def make_cases() -> list[tuple[dict[str, Any], Ours]]:
         for mode in ("cispo", "gpg", "clip_cov", "kl_cov"):
             for agg in ("token-mean", "seq-mean-token-sum-norm"):
                 cases.append(policy_loss_case(mode, policy_inputs(b, per_token_adv=True), mask, agg, 0.1, 0.15))
+        for mode in ("dppo_tv", "dppo_kl", "dro"):
+            for agg in ("token-mean", "seq-mean-token-sum-norm"):
+                cases.append(policy_loss_case(mode, policy_inputs(b, per_token_adv=True), mask, agg, 0.004, 0.006))
         # verl's SAPO always aggregates with seq-mean-token-mean, and GMPO averages over sequences whatever the mode
         cases.append(policy_loss_case("sapo", policy_inputs(b, per_token_adv=True), mask, "seq-mean-token-mean", 0, 0))
         cases.append(policy_loss_case("geo_mean", policy_inputs(b, per_token_adv=False), mask, "token-mean", 0.1, 0.15))
@@ -177,9 +180,9 @@ def make_cases() -> list[tuple[dict[str, Any], Ours]]:
 
 
 COVARIANCE = {"clip_cov": {"clip_cov_ratio": 1.0, "clip_cov_lb": 0.2, "clip_cov_ub": 2.0},
-              "kl_cov": {"kl_cov_ratio": 0.25, "ppo_kl_coef": 0.5}}
-"""verl's picks: clip_cov cuts every candidate (a share of 1: none drawn at random, so the two sides agree), kl_cov
-the quarter of the tokens of largest covariance."""
+              "kl_cov": {"kl_cov_ratio": 0.25, "ppo_kl_coef": 0.5}, "dro": {"dro_beta": 0.3}}
+"""verl's policy_loss settings: clip_cov cuts every candidate (a share of 1: none drawn at random, so the two sides
+agree), kl_cov the quarter of the tokens of largest covariance; DRO's penalty weight."""
 OURS: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {
     "gspo": lambda args, low, high, **kw: gspo_policy_loss(*args, clip_low=low, clip_high=high, **kw),
     "cispo": lambda args, low, high, **kw: policy_losses.cispo_policy_loss(*args, clip_low=low, clip_high=high, **kw),
@@ -190,9 +193,17 @@ OURS: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {
     "clip_cov": lambda args, low, high, **kw: policy_losses.clip_cov_policy_loss(
         *args, clip_low=low, clip_high=high, share=1.0, lower=0.2, upper=2.0, **kw),
     "kl_cov": lambda args, low, high, **kw: policy_losses.kl_cov_policy_loss(*args, share=0.25, coef=0.5, **kw),
+    "dppo_tv": lambda args, low, high, **kw: policy_losses.dppo_policy_loss(*args, "tv", low=low, high=high,
+                                                                            truncate=1.05, **kw),
+    "dppo_kl": lambda args, low, high, **kw: policy_losses.dppo_policy_loss(*args, "kl", low=low, high=high,
+                                                                            truncate=1.05, **kw),
+    "dro": lambda args, low, high, **kw: policy_losses.dro_policy_loss(*args, beta=0.3, **kw),
 }
 """hybridflow's side of each loss mode, with the settings COVARIANCE gives verl."""
-FRACTIONS = {"gspo": "clip_frac", "cispo": "clip_frac", "clip_cov": "cov_frac"}
+FRACTIONS = {"gspo": "clip_frac", "cispo": "clip_frac", "clip_cov": "cov_frac", "dppo_tv": "clip_frac",
+             "dppo_kl": "clip_frac"}
+ACTOR = {"sapo": {"tau_pos": 1.0, "tau_neg": 1.3}, "dppo_tv": {"clip_ratio_c": 1.05}, "dppo_kl": {"clip_ratio_c": 1.05}}
+"""verl's actor settings per mode: SAPO's temperatures; DPPO's truncation of the ratio, low enough to bite here."""
 
 
 def policy_loss_case(mode: str, x: dict[str, torch.Tensor], mask: torch.Tensor, agg: str, low: float,
@@ -214,7 +225,7 @@ def policy_loss_case(mode: str, x: dict[str, torch.Tensor], mask: torch.Tensor, 
                "advantages": advantages, "mask": mask, "agg": agg, "clip_low": low, "clip_high": high}
     return request | ({"horizon": horizon} if horizon else {}) | (
         {"cov": COVARIANCE[mode]} if mode in COVARIANCE else {}) | (
-        {"actor": {"tau_pos": 1.0, "tau_neg": 1.3}} if mode == "sapo" else {}), ours
+        {"actor": ACTOR[mode]} if mode in ACTOR else {}), ours
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +238,8 @@ def compared() -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("kind", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
-                                  "remax", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov"])
+                                  "remax", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv",
+                                  "dppo_kl", "dro"])
 def test_agrees_with_verl(compared: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]], kind: str) -> None:
     checked = 0
     for request, ours, theirs in compared:
@@ -250,6 +262,14 @@ def test_the_gspo_cases_clip_some_sequences_and_not_others(
     """Otherwise agreement would say nothing about the clipping."""
     fractions = [theirs["clip_frac"] for request, _, theirs in compared if request["kind"] == "gspo"]
     assert all(0.0 < f < 1.0 for f in fractions), fractions
+
+
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl"])
+def test_the_dppo_cases_leave_some_tokens_outside_the_trust_region_and_not_others(
+    compared: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]], mode: str,
+) -> None:
+    fractions = [theirs["clip_frac"] for request, _, theirs in compared if request["kind"] == mode]
+    assert fractions and all(0.0 < f < 1.0 for f in fractions), fractions
 
 
 def test_the_covariance_cases_cut_some_tokens_and_not_others(

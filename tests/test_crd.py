@@ -103,7 +103,7 @@ def test_optional_fields_are_nullable_and_enums_come_from_literals(schema: dict[
     assert at(schema, ".spec.algorithm.name")["enum"] == [
         "ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "remax"]
     assert at(schema, ".spec.algorithm.policyLoss")["enum"] == ["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean",
-                                                                  "clip_cov", "kl_cov"]
+                                                                  "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"]
     assert at(schema, ".spec.rollout.engine")["enum"] == ["torch", "vllm"]
     top_p = at(schema, ".spec.rollout.topP")
     assert (top_p["minimum"], top_p["exclusiveMinimum"], top_p["maximum"]) == (0.0, True, 1.0)
@@ -185,7 +185,7 @@ def test_printer_columns(crd: dict[str, Any]) -> None:
     assert columns["Val-Reward"]["jsonPath"] == ".status.progress.valRewardMean"
     assert columns["GPU"]["jsonPath"] == ".spec.cluster.gpuType"
     assert columns["RayJob"]["jsonPath"] == ".status.rayJobName"
-    assert columns["Total-Steps"]["jsonPath"] == ".spec.trainer.totalSteps"
+    assert columns["Total-Steps"]["jsonPath"] == ".status.progress.totalSteps"  # totalEpochs: counted in the run
 
 
 # -- CEL rules --------------------------------------------------------------------------------------
@@ -601,6 +601,16 @@ REJECTED = [
         "covariance-bounds-out-of-order",
         {"algorithm": {"covariance": {"clipUpperBound": 0.5}}},
         "covariance.clipLowerBound must be below covariance.clipUpperBound",
+    ),
+    (
+        "dro-without-beta",
+        {"algorithm": {"policyLoss": "dro"}},
+        "algorithm.droBeta (a number above 0) is required with policyLoss dro",
+    ),
+    (
+        "dro-with-null-beta",
+        {"algorithm": {"policyLoss": "dro", "droBeta": None}},
+        "algorithm.droBeta (a number above 0) is required with policyLoss dro",
     ),
     (
         "eval-before-train-without-val",

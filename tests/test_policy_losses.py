@@ -1,5 +1,5 @@
-"""CISPO, GPG, Clip-Cov and KL-Cov (hybridflow.policy_losses): what sets each apart from PPO's clipped surrogate.
-tests/test_algos_oracle.py checks their values and gradients against verl's own."""
+"""CISPO, GPG, SAPO, GMPO, Clip-Cov, KL-Cov, DPPO and DRO (hybridflow.policy_losses): what sets each apart from
+PPO's clipped surrogate. tests/test_algos_oracle.py checks their values and gradients against verl's own."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from hybridflow.api import parse_job
 from hybridflow.policy_losses import (
     cispo_policy_loss,
     clip_cov_policy_loss,
+    dppo_policy_loss,
+    dro_policy_loss,
     geo_mean_policy_loss,
     gpg_policy_loss,
     kl_cov_policy_loss,
@@ -115,12 +117,54 @@ def test_kl_cov_penalises_the_tokens_of_largest_covariance() -> None:
     assert metrics["cov_frac"] == pytest.approx(int(0.1 * mask.sum()) / mask.sum().item())
 
 
-@pytest.mark.parametrize("mode", ["cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov"])
+def test_dppo_tv_drops_the_tokens_whose_probability_moved_too_far_the_way_the_advantage_pushes() -> None:
+    old = torch.tensor([[0.5, 0.5, 0.01, 0.5]]).log()
+    new = torch.tensor([[0.75, 0.6, 0.05, 0.2]]).log().requires_grad_()
+    adv = torch.tensor([[1.0, 1.0, 1.0, -1.0]])
+    mask = torch.ones(1, 4)
+    loss, metrics = dppo_policy_loss(old, new, adv, mask, "tv", low=0.2, high=0.2, truncate=3.0)
+    loss.backward()
+    assert new.grad is not None
+    # token 0 rose by 0.25 > 0.2 with A > 0: out; token 1 by 0.1: in; token 2 by 0.04 (ratio 5, which PPO would
+    # clip at 1.2): in, its weight truncated at 3; token 3 fell by 0.3 > 0.2 with A < 0: out
+    assert metrics["clip_frac"] == pytest.approx(0.5)
+    assert new.grad.tolist()[0] == pytest.approx([0.0, -1.2 / 4, -3.0 / 4, 0.0])
+    ppo, _ = ppo_policy_loss(old, new, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip_c=None)
+    new.grad = None
+    ppo.backward()
+    assert new.grad[0, 2].item() == 0.0  # the ratio's clip stops the rare token DPPO lets learn
+
+
+def test_dppo_kl_bounds_the_binary_kl_and_lets_a_move_against_the_advantage_through() -> None:
+    old = torch.tensor([[0.5, 0.5, 0.5]]).log()
+    p = torch.tensor([[0.6, 0.9, 0.1]])
+    adv = torch.tensor([[1.0, 1.0, 1.0]])
+    mask = torch.ones(1, 3)
+    kl = 0.5 * (0.5 / p).log() + 0.5 * ((0.5 + 1e-8) / (1 - p + 1e-8)).log()
+    _, metrics = dppo_policy_loss(old, p.log().requires_grad_(), adv, mask, "kl", low=0.1, high=0.1)
+    # KL_bin 0.02 (in), 0.51 (out), 0.51 but p fell while A > 0 (in: it is the move the trust region allows)
+    assert kl[0, 0] < 0.1 < kl[0, 1] and kl[0, 2] > 0.1
+    assert metrics["clip_frac"] == pytest.approx(1 / 3)
+
+
+def test_dro_is_the_policy_gradient_with_a_quadratic_pull_back_to_the_old_policy() -> None:
+    old, new, adv, mask = inputs()
+    loss, _ = dro_policy_loss(old, new, adv, mask, beta=0.5)
+    loss.backward()
+    assert new.grad is not None
+    expected = (-adv + 0.5 * (new - old)).detach() * mask / mask.sum()
+    torch.testing.assert_close(new.grad, expected)
+    free, _ = dro_policy_loss(old, new, adv, mask, beta=1e-12)
+    assert free.item() == pytest.approx((-(adv * new) * mask).sum().item() / mask.sum().item())
+
+
+@pytest.mark.parametrize("mode", ["cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl",
+                                  "dro"])
 def test_each_policy_loss_trains_the_actor(example_doc, mode: str) -> None:
     doc = example_doc("tiny-grpo.yaml")
     doc["spec"]["data"]["batchSize"] = 4
     doc["spec"]["algorithm"] |= {"policyLoss": mode, "miniBatchSize": 16, "ppoEpochs": 2,
-                                 "covariance": {"clipRatio": 0.1, "klRatio": 0.1}}
+                                 "covariance": {"clipRatio": 0.1, "klRatio": 0.1}, "droBeta": 0.1}
     host = WorkerHost(parse_job(doc).spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
     model = host.workers["actor_rollout"].model
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -199,6 +199,17 @@ def test_the_console_shows_reward_and_kl_and_steps_back_on_a_rollback(example_do
     assert "reward=0.100, kl=0.010" in capsys.readouterr().err
 
 
+def test_the_console_of_a_run_in_epochs_takes_its_length_from_the_first_progress(example_doc, tmp_path) -> None:
+    job = job_with(example_doc, tmp_path, backends=["console"])
+    job.spec.trainer.total_epochs = 3
+    console = open_trackers(job, ("console",))
+    bar = console.trackers["console"].bar
+    assert bar.total is None  # not totalSteps: the controller counts the steps when it loads the data
+    console.log(1, namespaced({"step": 1, "total_steps": 94, "reward_mean": 0.1}))
+    assert (bar.n, bar.total) == (1, 94)
+    console.close()
+
+
 # -- the backends, read back ----------------------------------------------------------------------------------
 
 

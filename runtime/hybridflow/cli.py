@@ -87,7 +87,7 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
         print(e.render(), file=sys.stderr)
         return 1
     if getattr(args, "steps", None):
-        job.spec.trainer.total_steps = args.steps
+        job.spec.trainer.total_steps, job.spec.trainer.total_epochs = args.steps, None
     from hybridflow.driver import TrainingFailed, init_ray, run_training
     from hybridflow.preflight import preflight
 
@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train locally on in-process Ray (the embedded default)")
     run.add_argument("file")
     run.add_argument("--metrics-out")
-    run.add_argument("--steps", type=int, help="override spec.trainer.totalSteps")
+    run.add_argument("--steps", type=int, help="override spec.trainer.totalSteps (and totalEpochs)")
     run.add_argument("--num-cpus", type=int, help="logical CPUs for local Ray")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(fn=cmd_run)

@@ -1,5 +1,6 @@
 """The policy losses besides PPO's clipped surrogate and GSPO (hybridflow.algos), under verl's loss_mode names:
-CISPO, GPG, SAPO, GMPO (geo_mean), Clip-Cov and KL-Cov. Pure functions on [B, T] tensors, as in algos.
+CISPO, GPG, SAPO, GMPO (geo_mean), Clip-Cov, KL-Cov, DPPO (dppo_tv, dppo_kl) and DRO. Pure functions on [B, T]
+tensors, as in algos.
 
 Each takes the update's log-probs `log_probs` (with their graph), the old ones, the advantages ([B] or [B, T]) and
 the response mask, and returns the aggregated loss (algos.agg_loss with `agg` and `horizon`) and its metrics:
@@ -9,6 +10,8 @@ cov_frac, the share of the valid tokens the covariance rules picked. `weights` m
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 
@@ -168,3 +171,56 @@ def kl_cov_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, adv
     with torch.no_grad():
         cov_frac = masked_mean(picked.to(losses.dtype), mask).item()
     return loss, {"cov_frac": cov_frac} | ratio_metrics(log_ratio, ratio, mask)
+
+
+BINARY_KL_EPS = 1e-8
+"""Keeps log(1 - p) finite at p = 1 in the binary KL, as verl's dppo_kl does."""
+
+
+def dppo_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, divergence: Literal["tv", "kl"], low: float = 0.2, high: float = 0.2,
+                     truncate: float | None = 3.0, agg: str = "token-mean", weights: torch.Tensor | None = None,
+                     horizon: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPPO (arXiv:2602.04879): the trust region bounds how far each sampled token's probability p moved from p_old,
+    not the ratio, so rare tokens (small p_old, large ratios for small moves) keep learning:
+
+        L = -A * sg(min(ratio, truncate)) * log pi * valid
+
+    valid where A > 0: p - p_old <= high (`tv`), or KL_bin(p_old || p) <= high or p <= p_old (`kl`); where A <= 0:
+    p_old - p <= low, or KL_bin <= low or p >= p_old. KL_bin(q || p) = q log(q/p) + (1-q) log((1-q)/(1-p)) is the
+    KL of the two Bernoulli distributions "this token or another". The truncated, stop-gradient ratio stands in for
+    PPO's dual clip (None: not truncated). clip_frac: the tokens outside the region.
+    """
+    advantages = token_advantages(advantages, log_probs)
+    log_ratio, ratio = token_log_ratio(log_probs, old_log_probs)
+    is_weight = ratio if truncate is None else torch.clamp(ratio, max=truncate)
+    with torch.no_grad():
+        p, q = log_probs.exp(), old_log_probs.exp()
+        if divergence == "tv":
+            up, down = p - q <= high, q - p <= low
+        else:
+            kl = q * (old_log_probs - log_probs) + (1 - q) * torch.log(
+                (1 - q + BINARY_KL_EPS) / (1 - p + BINARY_KL_EPS))
+            up, down = (kl <= high) | (p <= q), (kl <= low) | (p >= q)
+        valid = torch.where(advantages > 0, up, down).to(log_probs.dtype)
+    losses = -advantages * is_weight.detach() * log_probs * valid
+    loss = agg_loss(weighted(losses, weights), mask, agg, horizon)
+    with torch.no_grad():
+        clip_frac = masked_mean(1.0 - valid, mask).item()
+    return loss, {"clip_frac": clip_frac} | ratio_metrics(log_ratio, ratio, mask)
+
+
+def dro_policy_loss(old_log_probs: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, beta: float, agg: str = "token-mean", weights: torch.Tensor | None = None,
+                    horizon: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """DRO's loss as verl's `dro` (Richemond et al. 2024, "Offline Regularised Reinforcement Learning for Large
+    Language Models Alignment", arXiv:2405.19107): the policy gradient with a quadratic pull back to pi_old,
+
+        L = -(A * log pi - beta / 2 * (log pi - log pi_old)^2)
+
+    no ratio and no clip: the penalty, not a trust region, keeps the update near the policy that sampled.
+    """
+    advantages = token_advantages(advantages, log_probs)
+    log_ratio, ratio = token_log_ratio(log_probs, old_log_probs)
+    losses = -(advantages * log_probs - 0.5 * beta * (log_probs - old_log_probs).square())
+    return agg_loss(weighted(losses, weights), mask, agg, horizon), ratio_metrics(log_ratio, ratio, mask)

@@ -118,12 +118,16 @@ def experiment_name(job: RLTrainingJob) -> str:
 class ConsoleTracker:
     """The progress bar of `hybridflow run`, with the live reward and KL; a step back (a rollback) resets it."""
 
-    def __init__(self, total_steps: int) -> None:
+    def __init__(self, total_steps: int | None) -> None:
+        """`total_steps` None: not known yet (trainer.totalEpochs), until the first progress gives it."""
         from tqdm import tqdm
 
         self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        total = metrics.get(tracker_name("total_steps"))
+        if total is not None and int(total) != self.bar.total:  # totalEpochs: counted as the data loads
+            self.bar.total = int(total)
         if step > self.bar.n:
             self.bar.update(step - self.bar.n)
         elif step < self.bar.n:
@@ -283,7 +287,7 @@ def _open(backend: str, job: RLTrainingJob, root: Path, experiment: str, config:
           first_step: int) -> Tracker:
     project = job.spec.trainer.loggers.project
     if backend == "console":
-        return ConsoleTracker(job.spec.trainer.total_steps)
+        return ConsoleTracker(None if job.spec.trainer.total_epochs else job.spec.trainer.total_steps)
     if backend == "tensorboard":
         return TensorBoardTracker(root / "tb" / project / experiment, first_step)
     if backend == "mlflow":

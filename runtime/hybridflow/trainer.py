@@ -21,13 +21,14 @@ import ray
 import torch
 
 from hybridflow import algos, checkpoint
-from hybridflow.api.spec import RLTrainingJob
+from hybridflow.api.spec import MAX_STEPS, RLTrainingJob
 from hybridflow.checkpoint import CONTROLLER_FILE, JOB_FILE
 from hybridflow.control import store
 from hybridflow.control.errors import ControlError
 from hybridflow.control.names import job_ref
 from hybridflow.control.steering import Steering
 from hybridflow.dashboard import report_path, write_report
+from hybridflow.data import DataError
 from hybridflow.data.prompts import PromptSampler, load_prompts, repeat_samples
 from hybridflow.evaluation import eval_due, eval_seed, last_val_reward, val_metrics
 from hybridflow.export import SPEC, export_policy
@@ -78,6 +79,15 @@ def controller_state(step: int, kl_ctl: algos.FixedKLController | algos.Adaptive
     return {"step": int(step), "kl_ctl": kl_ctl.state_dict(), "data": dict(data),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
             "world": dict.fromkeys(ranks, 1)}
+
+
+def steps_of_epochs(sampler: PromptSampler, epochs: int) -> int:
+    """spec.trainer.totalEpochs as a step count; a DataError beyond the steps a job may take."""
+    steps = sampler.steps_for(epochs)
+    if steps > MAX_STEPS:
+        raise DataError(f"spec.trainer.totalEpochs: {epochs} passes over {len(sampler.rows)} prompts at batchSize "
+                        f"{sampler.batch_size} take {steps} steps, more than the {MAX_STEPS} a job may take")
+    return steps
 
 
 class Trainer:
@@ -132,6 +142,10 @@ class Trainer:
         """The steps queued while the one before them ran."""
         self.sampler = PromptSampler(load_prompts(self.spec, "train"), self.spec.data.batch_size, t.seed,
                                      self.spec.data.shuffle)
+        if t.total_epochs is not None:  # before the hosts get the spec: their schedules end at totalSteps
+            t.total_steps = steps_of_epochs(self.sampler, t.total_epochs)
+            log.info("spec.trainer.totalEpochs %d over %d prompts of batchSize %d: %d steps", t.total_epochs,
+                     len(self.sampler.rows), self.spec.data.batch_size, t.total_steps)
         self.val_rows = load_prompts(self.spec, "val")
         kl = self.spec.algorithm.kl_penalty
         self.kl_ctl = (algos.AdaptiveKLController(kl.coef, kl.target_kl, kl.horizon) if kl.adaptive

@@ -85,9 +85,11 @@ def policy_loss(case: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-CLIP_FRACTIONS = {"gspo": "clip_frac", "cispo": "clip_frac", "clip_cov": "cov_frac"}
-"""verl's actor/pg_clipfrac: the clipped tokens, or for clip_cov those whose loss the covariance rule cut."""
-POLICY_LOSSES = ("gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov")
+CLIP_FRACTIONS = {"gspo": "clip_frac", "cispo": "clip_frac", "clip_cov": "cov_frac", "dppo_tv": "clip_frac",
+                  "dppo_kl": "clip_frac"}
+"""verl's actor/pg_clipfrac: the clipped tokens, for clip_cov those whose loss the covariance rule cut, for DPPO those
+outside the trust region."""
+POLICY_LOSSES = ("gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro")
 
 
 KINDS = {f.__name__: f for f in (rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk,

@@ -70,7 +70,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Algorithm", "type": "string", "jsonPath": ".spec.algorithm.name", "priority": 1},
     {"name": "GPU", "type": "string", "jsonPath": ".spec.cluster.gpuType", "priority": 1},
     {"name": "RayJob", "type": "string", "jsonPath": ".status.rayJobName", "priority": 1},
-    {"name": "Total-Steps", "type": "integer", "jsonPath": ".spec.trainer.totalSteps", "priority": 1},
+    {"name": "Total-Steps", "type": "integer", "jsonPath": ".status.progress.totalSteps", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

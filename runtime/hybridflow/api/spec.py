@@ -80,7 +80,9 @@ CRITIC_ALGORITHMS: tuple[str, ...] = ("ppo",)
 """The algorithms that train a critic; every other one runs the critic-free graph."""
 GROUP_ALGORITHMS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk")
 """The algorithms whose baseline comes from the samples of the same prompt: samplesPerPrompt >= 2."""
-PolicyLoss = Literal["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov"]
+PolicyLoss = Literal["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl",
+                     "dro"]
+DRO_NEEDS_BETA = "algorithm.droBeta (a number above 0) is required with policyLoss dro"
 
 
 def _group_message(name: str) -> str:
@@ -139,6 +141,13 @@ class Algorithm(ApiModel):
     GRPO's advantages with the sequence-level ratio: `{name: grpo, policyLoss: gspo}`.
     """
 
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel("!has(self.policyLoss) || self.policyLoss != 'dro' || has(self.droBeta)",
+                 DRO_NEEDS_BETA, ".droBeta")
+        )
+    )
+
     name: AlgorithmName = "ppo"
     """`ppo`: a critic and GAE. Critic-free: `grpo` (group-normalised scores), `rloo` (leave-one-out
     baseline), `reinforce_plus_plus` (discounted returns whitened over the batch),
@@ -155,7 +164,10 @@ class Algorithm(ApiModel):
     uses lossAgg seq-mean-token-mean); `geo_mean`: the geometric mean of a sequence's token ratios, clipped in log
     space by clipRatio and clipRatioHigh (GMPO, the paper: 0.4 each), averaged over sequences whatever lossAgg;
     `clip_cov` and `kl_cov`: PPO's surrogate with the tokens of highest advantage/log-prob covariance cut or
-    penalised, against entropy collapse (covariance sets their shares)."""
+    penalised, against entropy collapse (covariance sets their shares); `dppo_tv` and `dppo_kl`: the trust region on
+    how far each token's probability moved (its difference, or the binary KL, within clipRatio below and
+    clipRatioHigh above), the ratio truncated at dualClipC and without gradient (DPPO); `dro`: -A x log pi plus
+    droBeta/2 x (log pi - log pi_old)^2 (DRO)."""
     covariance: Covariance = Field(default_factory=Covariance)
     """The token picks of policyLoss clip_cov and kl_cov."""
     sapo: SapoGate = Field(default_factory=SapoGate)
@@ -163,11 +175,14 @@ class Algorithm(ApiModel):
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
     clip_ratio: float = Field(0.2, gt=0.0, lt=1.0)
-    """Lower clip range epsilon; the ratio is clipped to [1-clipRatio, 1+clipRatioHigh]."""
+    """Lower clip range epsilon; the ratio is clipped to [1-clipRatio, 1+clipRatioHigh]. dppo_tv and dppo_kl bound
+    the divergence instead: a fall of the token's probability (tv) or the binary KL (kl) where A <= 0."""
     clip_ratio_high: float | None = Field(None, gt=0.0, lt=1.0)
-    """Upper clip range (defaults to clipRatio)."""
+    """Upper clip range (defaults to clipRatio); for dppo_tv and dppo_kl the divergence bound where A > 0."""
     dual_clip_c: float | None = Field(3.0, gt=1.0)
-    """Dual-clip bound for negative advantages; null disables."""
+    """Dual-clip bound for negative advantages; null disables. dppo_tv and dppo_kl truncate the ratio there."""
+    dro_beta: float | None = Field(None, gt=0.0)
+    """policyLoss dro's penalty weight (verl's actor.policy_loss.dro_beta), required there."""
     value_clip: float | None = Field(0.5, gt=0.0)
     behaviour_weight_cap: float = Field(2.0, ge=1.0, le=100.0)
     """With spec.scheduling.consistency eventual, samples come from the policy one update behind: each token's
@@ -191,6 +206,12 @@ class Algorithm(ApiModel):
     @property
     def trains_critic(self) -> bool:
         return self.name in CRITIC_ALGORITHMS
+
+    @model_validator(mode="after")
+    def _dro_has_beta(self) -> Algorithm:
+        if self.policy_loss == "dro" and self.dro_beta is None:
+            raise ValueError(DRO_NEEDS_BETA)
+        return self
 
 
 MAX_PATH_LENGTH = 4096
@@ -546,8 +567,16 @@ class Optimizer(ApiModel):
         return self
 
 
+MAX_STEPS = 10_000_000
+
+
 class Trainer(ApiModel):
-    total_steps: int = Field(20, ge=1, le=10_000_000)
+    total_steps: int = Field(20, ge=1, le=MAX_STEPS)
+    """Training steps, each on data.batchSize prompts; ignored when totalEpochs is set."""
+    total_epochs: int | None = Field(None, ge=1, le=100_000)
+    """Passes over data.train instead of a step count: the run takes ceil(totalEpochs x prompts / batchSize) steps,
+    counted when the dataset loads (after filterOverlongPrompts), so every prompt is drawn totalEpochs times (the
+    last batch of a pass tops up from the next one). status.progress.totalSteps shows the count."""
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     resume: Literal["auto", "never"] = "auto"
     seed: int = 0

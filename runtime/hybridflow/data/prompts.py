@@ -180,6 +180,10 @@ class PromptSampler:
             self.position += 1
         return out
 
+    def steps_for(self, epochs: int) -> int:
+        """Steps that draw every prompt `epochs` times: ceil(epochs x prompts / batch size)."""
+        return -(-epochs * len(self.rows) // self.batch_size)
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 

@@ -263,6 +263,14 @@ class ActorRolloutWorker:
             case "kl_cov":
                 return policy_losses.kl_cov_policy_loss(old, logp, adv, mask, share=cov.kl_ratio, coef=cov.kl_coef,
                                                         agg=agg, weights=w, horizon=horizon)
+            case "dppo_tv" | "dppo_kl":
+                return policy_losses.dppo_policy_loss(old, logp, adv, mask, "tv" if algo.policy_loss == "dppo_tv"
+                                                      else "kl", low=low, high=high, truncate=algo.dual_clip_c,
+                                                      agg=agg, weights=w, horizon=horizon)
+            case "dro":
+                assert algo.dro_beta is not None  # the spec refuses dro without it
+                return policy_losses.dro_policy_loss(old, logp, adv, mask, beta=algo.dro_beta, agg=agg, weights=w,
+                                                     horizon=horizon)
         return algos.ppo_policy_loss(old, logp, adv, mask, clip_low=low, clip_high=high, dual_clip_c=algo.dual_clip_c,
                                      agg=agg, weights=w, horizon=horizon)
 
