@@ -384,6 +384,13 @@ def covariance_bounds(draw: st.DrawFn, spec: dict[str, Any]) -> None:
         "clipLowerBound": st.sampled_from([0.5, 1.0, 5.0, 6.0]), "clipUpperBound": st.sampled_from([0.5, 1.0, 5.0])}))
 
 
+def icepop_band(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    """rolloutCorrection.lowerThreshold below threshold (2 when left out)."""
+    _section(spec, "algorithm")["rolloutCorrection"] = draw(st.fixed_dictionaries(
+        {"importanceSampling": st.sampled_from(["none", "token", "sequence"])},
+        optional={"threshold": st.sampled_from([0.5, 2.0, 5.0]), "lowerThreshold": st.sampled_from([0.5, 2.0, 3.0])}))
+
+
 def dro_beta(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     """policyLoss dro needs droBeta (absent, null or a number)."""
     algorithm = _section(spec, "algorithm")
@@ -491,7 +498,7 @@ def job_name(draw: st.DrawFn, doc: dict[str, Any]) -> None:
 
 RULES: list[Callable[[st.DrawFn, dict[str, Any]], None]] = [
     group_samples, mini_batch, reward_model, rollout_engine, evaluation, lr_schedule, critic_warmup, covariance_bounds,
-    dro_beta, export_adapters, replicas, graph, pod_settings,
+    dro_beta, icepop_band, export_adapters, replicas, graph, pod_settings,
 ]
 
 

@@ -35,6 +35,7 @@ from hybridflow.algos import (
     compute_remax_advantages,
     compute_rloo_advantages,
     gspo_policy_loss,
+    rollout_weights,
     scores_to_token_rewards,
 )
 from tests.helpers import unavailable
@@ -158,6 +159,7 @@ def make_cases() -> list[tuple[dict[str, Any], Ours]]:
 
         cases.append(({"kind": "remax", "token_rewards": rewards * mask, "baselines": greedy, "mask": mask}, rmx))
         gamma = (1.0, 0.95, 0.5, 0.99, 1.0)[seed]
+        cases.extend(rollout_is_cases(b))
 
         def rpp(rewards: torch.Tensor = rewards, holed: torch.Tensor = holed, gamma: float = gamma) -> dict[str, Any]:
             adv, ret = compute_reinforce_plus_plus_advantages(rewards, holed, gamma)
@@ -177,6 +179,22 @@ def make_cases() -> list[tuple[dict[str, Any], Ours]]:
         cases.append(policy_loss_case("sapo", policy_inputs(b, per_token_adv=True), mask, "seq-mean-token-mean", 0, 0))
         cases.append(policy_loss_case("geo_mean", policy_inputs(b, per_token_adv=False), mask, "token-mean", 0.1, 0.15))
     return cases
+
+
+def rollout_is_cases(b: dict[str, Any]) -> list[tuple[dict[str, Any], Ours]]:
+    """The trainer's and an engine's log-probs a little apart, weighed per token and per sequence, truncated (verl's
+    threshold a number) and IcePop's band (verl's "lower_upper")."""
+    g, mask = b["gen"], b["mask"]
+    trainer = -3.0 * torch.rand(BATCH, TOKENS, generator=g, dtype=torch.float64)
+    engine = trainer + 0.3 * torch.randn(BATCH, TOKENS, generator=g, dtype=torch.float64)
+    out: list[tuple[dict[str, Any], Ours]] = []
+    for level, upper, lower in (("token", 1.3, None), ("token", 1.3, 0.8), ("sequence", 2.0, None),
+                                ("sequence", 2.0, 0.5)):
+        request = {"kind": "rollout_is", "trainer_log_probs": trainer, "rollout_log_probs": engine, "mask": mask,
+                   "level": level, "threshold": upper if lower is None else f"{lower}_{upper}"}
+        out.append((request, lambda level=level, upper=upper, lower=lower: {
+            "weights": rollout_weights(trainer, engine, mask, level, upper, lower)[0]}))
+    return out
 
 
 COVARIANCE = {"clip_cov": {"clip_cov_ratio": 1.0, "clip_cov_lb": 0.2, "clip_cov_ub": 2.0},
@@ -238,8 +256,8 @@ def compared() -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("kind", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
-                                  "remax", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv",
-                                  "dppo_kl", "dro"])
+                                  "remax", "rollout_is", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov",
+                                  "kl_cov", "dppo_tv", "dppo_kl", "dro"])
 def test_agrees_with_verl(compared: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]], kind: str) -> None:
     checked = 0
     for request, ours, theirs in compared:

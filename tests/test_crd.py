@@ -603,6 +603,11 @@ REJECTED = [
         "covariance.clipLowerBound must be below covariance.clipUpperBound",
     ),
     (
+        "icepop-band-upside-down",
+        {"algorithm": {"rolloutCorrection": {"importanceSampling": "token", "lowerThreshold": 3.0}}},
+        "rolloutCorrection.lowerThreshold must be below rolloutCorrection.threshold",
+    ),
+    (
         "dro-without-beta",
         {"algorithm": {"policyLoss": "dro"}},
         "algorithm.droBeta (a number above 0) is required with policyLoss dro",

@@ -1,5 +1,6 @@
 """The torch engine's sampling loop: the tokens Hugging Face's `generate` would write, drawn from the same
-distribution, with a repeated prompt prefilled once and finished sequences out of the batch."""
+distribution, with a repeated prompt prefilled once and finished sequences out of the batch, and the log-probs
+of what it drew."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 
 from hybridflow.data.tiny import ensure_tiny_model
 from hybridflow.workers.decoding import Sampling, compacts, next_tokens, nucleus, sample, top_k
-from hybridflow.workers.modeling import load_causal_lm, load_tokenizer
-from hybridflow.workers.rollout import left_pad
+from hybridflow.workers.modeling import load_causal_lm, load_tokenizer, response_log_probs
+from hybridflow.workers.rollout import assemble_batch, left_pad
 
 NEW = 12
 
@@ -32,7 +33,7 @@ TEXTS = ["1 2 3", "4 5", "7 0 9 8", "1 2 3", "6", "4 5"]  # the tiny task's digi
 def test_greedy_responses_are_those_of_hf_generate(tiny: tuple[Any, Any]) -> None:
     model, tok = tiny
     ids, mask = prompts(tok, TEXTS)
-    ours = sample(model, ids, mask, NEW, Sampling(0.0), tok.eos_token_id, tok.pad_token_id)
+    ours, _ = sample(model, ids, mask, NEW, Sampling(0.0), tok.eos_token_id, tok.pad_token_id)
     with torch.no_grad():
         theirs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
@@ -49,7 +50,7 @@ def test_a_repeated_prompt_is_prefilled_once_and_finished_sequences_leave_the_ba
                                            with_kwargs=True)
     try:
         torch.manual_seed(3)
-        out = sample(model, ids, mask, NEW, Sampling(1.5), tok.eos_token_id, tok.pad_token_id)
+        out, _ = sample(model, ids, mask, NEW, Sampling(1.5), tok.eos_token_id, tok.pad_token_id)
     finally:
         hook.remove()
     assert rows[0] == len(set(TEXTS))  # the prefill
@@ -68,6 +69,23 @@ def test_a_repeated_prompt_is_prefilled_once_and_finished_sequences_leave_the_ba
     assert want[-1] < len(ended)
     for row, end in enumerate(ended):
         assert bool((out[row, end + 1:] == tok.pad_token_id).all())
+
+
+def test_the_log_probs_of_the_drawn_tokens_are_the_models_own_whatever_the_sampling(tiny: tuple[Any, Any]) -> None:
+    """What the trainer's teacher-forced pass gives the same tokens (float32 rounding apart): the raw model's, not
+    the tempered nucleus the tokens were drawn from; 0 after each response's end."""
+    model, tok = tiny
+    ids, mask = prompts(tok, TEXTS * 3)
+    torch.manual_seed(5)
+    out, log_probs = sample(model, ids, mask, NEW, Sampling(1.5, 0.9, 20), tok.eos_token_id, tok.pad_token_id)
+    batch = assemble_batch(ids, mask, out, log_probs, tok.eos_token_id, tok.pad_token_id,
+                           [{"prompt": t} for t in TEXTS * 3], [""] * len(out), list(range(len(out))), 0)
+    with torch.no_grad():
+        forward, _ = response_log_probs(model, batch, torch.device("cpu"))
+    engine = batch.tensors["rollout_log_probs"]
+    valid = batch.response_mask.bool()
+    assert (engine[~valid] == 0).all() and (engine[valid] < 0).all()
+    torch.testing.assert_close(engine[valid], forward[valid], rtol=0, atol=1e-4)
 
 
 def test_finished_rows_leave_once_they_are_an_eighth_of_the_batch() -> None:

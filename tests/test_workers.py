@@ -44,7 +44,7 @@ def test_one_ppo_step_in_process(ppo_spec) -> None:
     r, g = rows(16)
     batch = actor.rollout(r, g, ["reward", "reference", "old_log_probs"])
     assert batch.input_ids.shape == (16, batch.prompt_length + 4)
-    assert set(batch.tensors) == {"scores", "ref_log_probs", "old_log_probs"}
+    assert set(batch.tensors) == {"rollout_log_probs", "scores", "ref_log_probs", "old_log_probs"}
     assert torch.allclose(batch.tensors["old_log_probs"], batch.tensors["ref_log_probs"], atol=1e-5)
     expected = [tiny_task_reward(p, resp, a) for p, resp, a in zip(batch.prompts, batch.responses, batch.answers,
                                                                      strict=True)]

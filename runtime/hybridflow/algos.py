@@ -459,6 +459,39 @@ def ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tens
 
 
 @torch.no_grad()
+def rollout_weights(trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
+                    level: str, upper: float, lower: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Importance weights from the rollout engine's policy mu to the trainer's pi for the same weights, [B, T]:
+
+        token:     w_t = exp(log pi_t - log mu_t)
+        sequence:  w_t = exp(sum_s (log pi_s - log mu_s))      (the response's product, on each of its tokens)
+
+    log-ratios clamped to +-20 (as verl's rollout_is); then cut to `upper` (truncated IS), or, given `lower`, set to
+    0 outside [lower, upper] (IcePop). 0 outside the mask. Metrics: rollout_weight_mean, and rollout_weight_cut_frac,
+    the share of the valid tokens whose weight the bounds changed.
+    """
+    log_ratio = (trainer_log_probs - rollout_log_probs) * mask
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(mask)
+    raw = torch.exp(torch.clamp(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)) * mask
+    if lower is None:
+        weights = raw.clamp(max=upper)
+    else:
+        weights = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
+    return weights, {"rollout_weight_mean": masked_mean(weights, mask).item(),
+                     "rollout_weight_cut_frac": masked_mean((weights != raw).to(raw.dtype), mask).item()}
+
+
+@torch.no_grad()
+def rollout_kl(trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> float:
+    """KL(mu || pi) of the rollout engine's policy mu to the trainer's pi, on mu's samples: the k3 estimate
+    mean(r - 1 - log r), r = pi / mu, >= 0; 0 where both compute the same numbers. In float64: the gaps of
+    interest are small enough that float32's r - 1 would be its rounding."""
+    d = torch.clamp(trainer_log_probs.double() - rollout_log_probs.double(), -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return masked_mean(torch.expm1(d) - d, mask.double()).item()
+
+
+@torch.no_grad()
 def behaviour_weights(proximal_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor,
                       cap: float) -> torch.Tensor:
     """Truncated importance weights of off-policy tokens, [B, T]:  w = min(pi_prox / pi_behaviour, cap).

@@ -66,6 +66,15 @@ def remax(case: dict[str, Any]) -> dict[str, Any]:
     return {"advantages": lists(adv), "returns": lists(ret)}
 
 
+def rollout_is(case: dict[str, Any]) -> dict[str, Any]:
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    weights, _ = compute_rollout_correction_weights(
+        t(case["trainer_log_probs"]) - t(case["rollout_log_probs"]), t(case["mask"]), rollout_is=case["level"],
+        rollout_is_threshold=case["threshold"])
+    return {"weights": lists(weights)}
+
+
 def policy_loss(case: dict[str, Any]) -> dict[str, Any]:
     """The loss_mode named by the case's kind; its clip fraction under the name hybridflow gives it."""
     config = ActorConfig(strategy="fsdp", clip_ratio=case["clip_low"], clip_ratio_low=case["clip_low"],
@@ -93,7 +102,7 @@ POLICY_LOSSES = ("gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov
 
 
 KINDS = {f.__name__: f for f in (rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk,
-                                 remax)} | {
+                                 remax, rollout_is)} | {
     mode: policy_loss for mode in POLICY_LOSSES}
 
 

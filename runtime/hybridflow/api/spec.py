@@ -133,6 +133,39 @@ class SapoGate(ApiModel):
     """Where it is zero or negative."""
 
 
+_IS_BOUNDS = "rolloutCorrection.lowerThreshold must be below rolloutCorrection.threshold"
+
+
+class RolloutCorrection(ApiModel):
+    """Importance weights from the rollout engine's policy to the trainer's (verl's algorithm.rollout_correction).
+
+    The engine samples from its own numerics (vLLM's kernels, a bf16 copy): pi_rollout differs from the pi_old the
+    trainer computes for the same weights, and the gap grows through a run ("When Speed Kills Stability", Yao et
+    al. 2025). Each sampled token's policy loss is weighed by w = pi_old / pi_rollout, truncated. `rollout_kl` in
+    the step record measures the gap whether or not it is corrected."""
+
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel("!has(self.lowerThreshold) || self.lowerThreshold < (has(self.threshold) ? self.threshold : 2.0)",
+                 _IS_BOUNDS, ".lowerThreshold")
+        )
+    )
+
+    importance_sampling: Literal["none", "token", "sequence"] = "none"
+    """`token`: each token's own ratio (biased, low variance); `sequence`: the product over the response, on all of
+    its tokens (unbiased, high variance); `none`: no weights (verl's rollout_is null)."""
+    threshold: float = Field(2.0, gt=0.0, le=1e6)
+    """Weights above it are cut to it (truncated importance sampling); verl's rollout_is_threshold."""
+    lower_threshold: float | None = Field(None, gt=0.0)
+    """With it, a weight outside [lowerThreshold, threshold] becomes 0 instead (IcePop; verl's "lower_upper")."""
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> RolloutCorrection:
+        if self.lower_threshold is not None and not self.lower_threshold < self.threshold:
+            raise ValueError(_IS_BOUNDS)
+        return self
+
+
 class Algorithm(ApiModel):
     """Which RL algorithm and its hyper-parameters.
 
@@ -183,6 +216,8 @@ class Algorithm(ApiModel):
     """Dual-clip bound for negative advantages; null disables. dppo_tv and dppo_kl truncate the ratio there."""
     dro_beta: float | None = Field(None, gt=0.0)
     """policyLoss dro's penalty weight (verl's actor.policy_loss.dro_beta), required there."""
+    rollout_correction: RolloutCorrection = Field(default_factory=RolloutCorrection)
+    """Weights correcting for the rollout engine's own numerics (off by default)."""
     value_clip: float | None = Field(0.5, gt=0.0)
     behaviour_weight_cap: float = Field(2.0, ge=1.0, le=100.0)
     """With spec.scheduling.consistency eventual, samples come from the policy one update behind: each token's

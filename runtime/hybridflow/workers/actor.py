@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any
 
@@ -64,6 +65,11 @@ def policy_log_probs(module: torch.nn.Module, sp: SequenceParallel, batch: Rollo
 
     table = forward_tokens(scores, sp, ids, mask, (labels, predicts), module)[:, batch.prompt_length - 1:-1]
     return table[..., 0], (table[..., 1] if entropy else None)
+
+
+def _product(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The per-token weights together (None: none)."""
+    return math.prod(weights[1:], start=weights[0]) if weights else None
 
 
 class ActorRolloutWorker:
@@ -186,6 +192,8 @@ class ActorRolloutWorker:
             return self._frozen_step(lag)
         algo = self.spec.algorithm
         horizon = self.spec.data.max_response_length
+        gap = {} if self.old_from_update else self._rollout_gap(  # else each pass weighs its own log-probs
+            batch, batch.tensors["old_log_probs"], batch.response_mask.float())
         if lag:
             self._decouple(batch)
 
@@ -195,11 +203,14 @@ class ActorRolloutWorker:
             assert ent is not None
             m = mb.response_mask.float().to(self.device)
             old = logp.detach() if self.old_from_update else mb.tensors["old_log_probs"].to(self.device)
+            pass_gap = self._rollout_gap(mb, old, m) if self.old_from_update else {}
             adv = mb.tensors["advantages"].to(self.device)
-            w = mb.tensors["behaviour_weights"].to(self.device) if "behaviour_weights" in mb.tensors else None
+            w = _product([mb.tensors[k].to(self.device) for k in ("behaviour_weights", "rollout_weights")
+                          if k in mb.tensors])
             loss, metrics = self._policy_loss(old, logp, adv, m, w)
-            if w is not None:
-                metrics["behaviour_weight_mean"] = algos.masked_mean(w, m).item()
+            metrics |= pass_gap
+            if "behaviour_weights" in mb.tensors:
+                metrics["behaviour_weight_mean"] = algos.masked_mean(mb.tensors["behaviour_weights"].to(m), m).item()
             entropy = algos.agg_loss(ent, m, algo.loss_agg, horizon)
             total = loss - algo.entropy_coef * entropy
             if "ref_log_probs" in mb.tensors:
@@ -223,7 +234,7 @@ class ActorRolloutWorker:
         self.version += 1
         out["actor_grad_norm"] = out.pop("grad_norm")
         out["actor_lr"] = lr
-        return out | self._lag_and_footprint(lag)
+        return out | gap | self._lag_and_footprint(lag)
 
     def _frozen_step(self, lag: int) -> dict[str, float]:
         """A step of the critic's warm-up: no pass and no optimiser step, the weights stay; the version still
@@ -273,6 +284,22 @@ class ActorRolloutWorker:
                                                      horizon=horizon)
         return algos.ppo_policy_loss(old, logp, adv, mask, clip_low=low, clip_high=high, dual_clip_c=algo.dual_clip_c,
                                      agg=agg, weights=w, horizon=horizon)
+
+    def _rollout_gap(self, batch: RolloutBatch, trainer_log_probs: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+        """The rollout engine's log-probs against the trainer's for the weights that generated `batch`: the gap
+        (rollout_kl) and, with spec.algorithm.rolloutCorrection, each token's weight (`rollout_weights`)."""
+        if "rollout_log_probs" not in batch.tensors:
+            return {}
+        engine = batch.tensors["rollout_log_probs"].to(trainer_log_probs.device)
+        mask = mask.to(trainer_log_probs.device)
+        out = {"rollout_kl": algos.rollout_kl(trainer_log_probs, engine, mask)}
+        rc = self.spec.algorithm.rollout_correction
+        if rc.importance_sampling != "none":
+            batch.tensors["rollout_weights"], metrics = algos.rollout_weights(
+                trainer_log_probs, engine, mask, rc.importance_sampling, rc.threshold, rc.lower_threshold)
+            out |= metrics
+        return out
 
     @torch.no_grad()
     def _decouple(self, batch: RolloutBatch) -> None:

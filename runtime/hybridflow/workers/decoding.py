@@ -73,15 +73,24 @@ def compacts(finished: int, batch: int) -> bool:
     return finished >= max(1, batch // 8)
 
 
+def token_log_probs_of(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits) at `token`, per row: the model's own probability of what was drawn, before temperature,
+    top-k or top-p (vLLM's raw_logprobs, and what the trainer's log-probs measure)."""
+    logits = logits.float()
+    return logits.gather(-1, token.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
 @torch.no_grad()
 def sample(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, how: Sampling,
-           eos_id: int | None, pad_id: int) -> torch.Tensor:
+           eos_id: int | None, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, max_new_tokens] responses to the left-padded prompts `ids` (`mask` 1 on their tokens): each stops
-    after its EOS, and `pad_id` fills the rest."""
+    after its EOS, and `pad_id` fills the rest; and the log-probs of their tokens (token_log_probs_of; 0 after
+    the EOS)."""
     rows = ids.shape[0]
     out_tokens = ids.new_full((rows, max_new_tokens), pad_id)
+    out_log_probs = torch.zeros(rows, max_new_tokens, device=ids.device)
     if rows == 0 or max_new_tokens == 0:
-        return out_tokens
+        return out_tokens, out_log_probs
     key = cache_keyword(model)
     first_ids, first_mask, copy_of = distinct_prompts(ids, mask)
     pos = position_ids(first_mask)
@@ -95,6 +104,7 @@ def sample(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_ne
     for t in range(max_new_tokens):
         token = next_tokens(logits, how)
         out_tokens[alive[~done], t] = token[~done]
+        out_log_probs[alive[~done], t] = token_log_probs_of(logits[~done], token[~done])
         if eos_id is not None:
             done |= token == eos_id
         finished = int(done.sum())
@@ -109,4 +119,4 @@ def sample(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_ne
         out = model(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=pos, use_cache=True,
                     **{key: cache})
         logits = out.logits[:, -1]
-    return out_tokens
+    return out_tokens, out_log_probs

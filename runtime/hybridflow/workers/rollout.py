@@ -79,8 +79,10 @@ def response_mask_from(responses: torch.Tensor, eos_id: int | None, pad_id: int)
 
 
 def assemble_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                   eos_id: int | None, pad_id: int, rows: list[dict[str, str]], responses: list[str],
-                   group_ids: list[int], policy_version: int) -> RolloutBatch:
+                   log_probs: torch.Tensor, eos_id: int | None, pad_id: int, rows: list[dict[str, str]],
+                   responses: list[str], group_ids: list[int], policy_version: int) -> RolloutBatch:
+    """The batch of generated responses; `log_probs` [B, R], the engine's own of each response token, become
+    `rollout_log_probs` (0 outside the response mask)."""
     resp_mask = response_mask_from(response_ids, eos_id, pad_id)
     response_ids = response_ids.masked_fill(resp_mask == 0, pad_id)
     return RolloutBatch(
@@ -93,6 +95,7 @@ def assemble_batch(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response
         responses=responses,
         answers=[r.get("answer", "") for r in rows],
         group_ids=list(group_ids),
+        tensors={"rollout_log_probs": log_probs.cpu().float().masked_fill(resp_mask.cpu() == 0, 0.0)},
     )
 
 
@@ -138,11 +141,12 @@ class TorchRollout:
         was_training = self.model.training
         self.model.eval()
         with seeded(seed, self.device):
-            resp = sample(self.model, ids.to(self.device), mask.to(self.device), self.max_response_length, how,
-                          self.tok.eos_token_id, self.tok.pad_token_id).cpu()
+            resp, log_probs = sample(self.model, ids.to(self.device), mask.to(self.device),
+                                     self.max_response_length, how, self.tok.eos_token_id, self.tok.pad_token_id)
         self.model.train(was_training)
+        resp = resp.cpu()
         texts = self.tok.batch_decode(resp, skip_special_tokens=True)
-        batch = assemble_batch(ids, mask, resp, self.tok.eos_token_id, self.tok.pad_token_id, rows, texts,
+        batch = assemble_batch(ids, mask, resp, log_probs, self.tok.eos_token_id, self.tok.pad_token_id, rows, texts,
                                group_ids, policy_version)
         batch.add_timing("generate", time.perf_counter() - t0)
         return batch
@@ -220,8 +224,9 @@ class VllmRollout:
     def _params(self, how: Sampling, seed: int | None) -> Any:
         from vllm import SamplingParams
 
+        # logprobs=0: the sampled token's own log-prob, of the raw logits (vLLM's default logprobs_mode)
         return SamplingParams(temperature=how.temperature, top_p=how.top_p, top_k=how.top_k,
-                              max_tokens=self.max_response_length, seed=seed)
+                              max_tokens=self.max_response_length, seed=seed, logprobs=0)
 
     def generate(self, rows: list[dict[str, str]], group_ids: list[int], policy_version: int,
                  sampling: Sampling | None = None, seed: int | None = None) -> RolloutBatch:
@@ -240,12 +245,15 @@ class VllmRollout:
         width = self.max_response_length
         pad = self.tok.pad_token_id
         resp = torch.full((len(rows), width), pad, dtype=torch.long)
+        log_probs = torch.zeros(len(rows), width)
         for i, o in enumerate(outs):
             toks = list(o.outputs[0].token_ids)[:width]
             resp[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+            given = (o.outputs[0].logprobs or [])[:len(toks)]
+            log_probs[i, :len(given)] = torch.tensor([at[tok].logprob for at, tok in zip(given, toks, strict=False)])
         texts = [o.outputs[0].text for o in outs]
-        batch = assemble_batch(prompt_ids, prompt_mask, resp, self.tok.eos_token_id, pad, rows, texts, group_ids,
-                               policy_version)
+        batch = assemble_batch(prompt_ids, prompt_mask, resp, log_probs, self.tok.eos_token_id, pad, rows, texts,
+                               group_ids, policy_version)
         batch.add_timing("generate", time.perf_counter() - t0)
         return batch
 

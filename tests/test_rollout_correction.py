@@ -1,0 +1,90 @@
+"""spec.algorithm.rolloutCorrection: importance weights from the rollout engine's own log-probs to the trainer's.
+tests/test_algos_oracle.py checks the weights against verl's rollout_is."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridflow import algos
+from hybridflow.api import parse_job
+from hybridflow.api.spec import RolloutCorrection
+from hybridflow.step import StepOutput, step_record
+from hybridflow.trackers import namespaced
+from hybridflow.workers.host import WorkerHost
+from tests.test_policy_losses import STATS
+from tests.test_workers import ROLES, rows
+
+
+def test_token_weights_are_each_tokens_ratio_cut_at_the_threshold() -> None:
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
+    engine = trainer - torch.tensor([[0.0, 0.5, -0.3, 9.0]])  # the last token is padding
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w, metrics = algos.rollout_weights(trainer, engine, mask, "token", upper=1.5)
+    assert torch.allclose(w, torch.tensor([[1.0, 1.5, math.exp(-0.3), 0.0]]))
+    assert metrics["rollout_weight_cut_frac"] == pytest.approx(1 / 3)  # exp(0.5) = 1.65 cut to 1.5
+    assert metrics["rollout_weight_mean"] == pytest.approx((1.0 + 1.5 + math.exp(-0.3)) / 3)
+
+
+def test_sequence_weights_are_the_responses_product_on_each_of_its_tokens() -> None:
+    trainer = torch.zeros(2, 3)
+    engine = -torch.tensor([[0.1, 0.2, 5.0], [-0.4, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    w, _ = algos.rollout_weights(trainer, engine, mask, "sequence", upper=10.0)
+    assert torch.allclose(w, torch.tensor([[math.exp(0.3)] * 2 + [0.0], [math.exp(-0.4)] * 3]))
+
+
+def test_icepop_zeroes_the_weights_outside_its_band_instead_of_cutting_them() -> None:
+    trainer = torch.zeros(1, 4)
+    engine = -torch.tensor([[1.0, 0.1, -0.1, -1.0]]).log1p()  # ratios 2, 1.1, 0.9, 0 (the last one all but)
+    engine[0, 3] = 20.0
+    w, metrics = algos.rollout_weights(trainer, engine, torch.ones(1, 4), "token", upper=1.5, lower=0.5)
+    assert torch.allclose(w, torch.tensor([[0.0, 1.1, 0.9, 0.0]]))
+    assert metrics["rollout_weight_cut_frac"] == 0.5
+
+
+def test_the_gap_is_zero_for_the_same_numbers_and_grows_with_the_difference() -> None:
+    trainer = torch.tensor([[-1.0, -2.0]])
+    mask = torch.ones(1, 2)
+    assert algos.rollout_kl(trainer, trainer, mask) == 0.0
+    small, large = (algos.rollout_kl(trainer, trainer + d, mask) for d in (0.01, 0.3))
+    assert 0 < small < large and small == pytest.approx(math.exp(-0.01) - 1 + 0.01, rel=1e-5)  # d in float32
+
+
+def test_the_lower_threshold_must_be_below_the_threshold() -> None:
+    with pytest.raises(ValueError, match=r"lowerThreshold must be below rolloutCorrection\.threshold"):
+        RolloutCorrection(importance_sampling="token", threshold=1.5, lower_threshold=2.0)
+
+
+def test_the_actor_weighs_each_tokens_loss_and_reports_the_gap(example_doc) -> None:
+    """The torch engine generating on the trained module agrees with the trainer to float32 rounding; a batch whose
+    engine log-probs are moved stands for one from an engine that disagrees. Its update takes a step other than the
+    unweighted one, and the record carries the gap and the weights."""
+    def host_with(correction: dict[str, object]) -> WorkerHost:
+        doc = example_doc("tiny-grpo.yaml")
+        doc["spec"]["data"]["batchSize"] = 4
+        doc["spec"]["algorithm"] |= {"miniBatchSize": 8, "rolloutCorrection": correction}
+        return WorkerHost(parse_job(doc).spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
+
+    r, g = rows(4)
+    plain, weighed = host_with({}), host_with({"importanceSampling": "token", "threshold": 1.2})
+    batch = plain.rollout([x for x in r for _ in range(4)], [i for i in g for _ in range(4)],
+                          ["reward", "reference", "old_log_probs"])
+    valid = batch.response_mask.bool()
+    gap = (batch.tensors["rollout_log_probs"] - batch.tensors["old_log_probs"])[valid].abs().max().item()
+    assert batch.tensors["rollout_log_probs"][valid].abs().min() > 0 and gap < 1e-4
+    batch.tensors["advantages"] = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    batch.tensors["rollout_log_probs"][:, ::2] -= 0.4  # the engine thought every other token less likely
+    before = {k: v.clone() for k, v in plain.workers["actor_rollout"].model.state_dict().items()}
+    a = plain.update(batch, 0.001).metrics
+    b = weighed.update(batch, 0.001).metrics
+    assert a["rollout_kl"] == pytest.approx(b["rollout_kl"]) and a["rollout_kl"] > 0.01
+    assert "rollout_weight_mean" not in a and 0 < b["rollout_weight_cut_frac"] < 1
+    assert b["rollout_weight_mean"] > 1
+    moved = [not torch.equal(plain.workers["actor_rollout"].model.state_dict()[k],
+                             weighed.workers["actor_rollout"].model.state_dict()[k]) for k in before]
+    assert any(moved)
+    record = step_record(1, StepOutput(stats=STATS, update=b), 1.0, 0.0)
+    assert {"rollout_corr/kl", "rollout_corr/weight_mean", "rollout_corr/weight_cut_frac"} <= set(namespaced(record))
