@@ -385,10 +385,11 @@ def covariance_bounds(draw: st.DrawFn, spec: dict[str, Any]) -> None:
 
 
 def icepop_band(draw: st.DrawFn, spec: dict[str, Any]) -> None:
-    """rolloutCorrection.lowerThreshold below threshold (2 when left out)."""
+    """rolloutCorrection.lowerThreshold below threshold (2 when left out); bypass only without importanceSampling."""
     _section(spec, "algorithm")["rolloutCorrection"] = draw(st.fixed_dictionaries(
         {"importanceSampling": st.sampled_from(["none", "token", "sequence"])},
-        optional={"threshold": st.sampled_from([0.5, 2.0, 5.0]), "lowerThreshold": st.sampled_from([0.5, 2.0, 3.0])}))
+        optional={"threshold": st.sampled_from([0.5, 2.0, 5.0]), "lowerThreshold": st.sampled_from([0.5, 2.0, 3.0]),
+                  "bypass": st.booleans()}))
 
 
 def dro_beta(draw: st.DrawFn, spec: dict[str, Any]) -> None:

@@ -608,6 +608,11 @@ REJECTED = [
         "rolloutCorrection.lowerThreshold must be below rolloutCorrection.threshold",
     ),
     (
+        "bypass-with-importance-weights",
+        {"algorithm": {"rolloutCorrection": {"importanceSampling": "sequence", "bypass": True}}},
+        "rolloutCorrection.bypass takes the ratio to the engine's own log-probs",
+    ),
+    (
         "dro-without-beta",
         {"algorithm": {"policyLoss": "dro"}},
         "algorithm.droBeta (a number above 0) is required with policyLoss dro",

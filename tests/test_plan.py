@@ -16,7 +16,9 @@ from hybridflow.plan import (
     REQUIRED_ROLES,
     STEP_OF_ROLE,
     STEPS,
+    old_log_probs_from_rollout,
     old_log_probs_from_update,
+    old_log_probs_pass,
     policy_copy_read_between_updates,
     resource_plan,
     step_plan,
@@ -154,9 +156,32 @@ def test_old_log_probs_get_a_pass_of_their_own_unless_the_update_is_one_on_polic
         example_doc, algorithm: dict, lag: int, separate_pass: bool) -> None:
     spec = spec_of(example_doc, "tiny-grpo.yaml", **algorithm)
     assert old_log_probs_from_update(spec, lag) is not separate_pass
+    assert old_log_probs_pass(spec, lag) is separate_pass
     if not lag:
         plan = step_plan(trainable_graph(spec, "CPU"), spec)
         assert ("old_log_probs" in plan.colocated) is separate_pass
+
+
+BYPASS = {"rolloutCorrection": {"bypass": True}}
+
+
+@pytest.mark.parametrize(("algorithm", "lag"), [({}, 0), (ONE_STEP, 0), (ONE_STEP, 1),
+                                                ({"klPenalty": {"coef": 0.01, "mode": "reward"}}, 0)])
+def test_with_bypass_the_engines_log_probs_are_the_old_ones_and_no_pass_scores_them(
+        example_doc, algorithm: dict, lag: int) -> None:
+    """Not even the update's own forward on one on-policy step: the ratio is taken to the engine's policy."""
+    spec = spec_of(example_doc, "tiny-grpo.yaml", **(algorithm | BYPASS))
+    assert old_log_probs_from_rollout(spec) and not old_log_probs_from_update(spec, lag)
+    assert not old_log_probs_pass(spec, lag)
+    if not lag:
+        assert "old_log_probs" not in step_plan(trainable_graph(spec, "CPU"), spec).colocated
+
+
+def test_a_sharded_vllm_actor_with_bypass_scores_nothing_and_keeps_no_copy(example_doc) -> None:
+    spec = spec_of(example_doc, "ppo-job.yaml", **BYPASS)
+    plan = step_plan(trainable_graph(spec, "GPU", parallelism=16), spec)
+    assert plan.scored == ("values",) and "old_log_probs" not in plan.colocated
+    assert policy_copy_read_between_updates(spec, plan.lag, plan.scored) is False
 
 
 @pytest.mark.parametrize(("job", "algorithm", "lag", "read"), [

@@ -88,3 +88,42 @@ def test_the_actor_weighs_each_tokens_loss_and_reports_the_gap(example_doc) -> N
     assert any(moved)
     record = step_record(1, StepOutput(stats=STATS, update=b), 1.0, 0.0)
     assert {"rollout_corr/kl", "rollout_corr/weight_mean", "rollout_corr/weight_cut_frac"} <= set(namespaced(record))
+
+
+def test_bypass_and_importance_weights_exclude_each_other() -> None:
+    with pytest.raises(ValueError, match="bypass takes the ratio to the engine's own log-probs"):
+        RolloutCorrection(importance_sampling="token", bypass=True)
+
+
+def test_with_bypass_the_batch_carries_the_engines_log_probs_as_the_old_ones(example_doc) -> None:
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["data"]["batchSize"] = 4
+    doc["spec"]["algorithm"] |= {"miniBatchSize": 32, "rolloutCorrection": {"bypass": True}}  # one step
+    host = WorkerHost(parse_job(doc).spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
+    r, g = rows(4)
+    batch = host.rollout([x for x in r for _ in range(4)], [i for i in g for _ in range(4)], ["reward"])
+    assert batch.tensors["old_log_probs"] is batch.tensors["rollout_log_probs"]
+    batch.tensors["advantages"] = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    metrics = host.update(batch, 0.001).metrics
+    assert "rollout_kl" not in metrics  # the gap to itself says nothing
+    # one step on the weights that generated: the ratio to the engine's log-probs is 1 but for their rounding
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and metrics["actor_loss"] != 0
+
+
+@pytest.mark.slow
+def test_a_run_with_bypass_scores_no_old_log_probs_and_learns(example_doc, tmp_path) -> None:
+    import json
+
+    from tests.helpers import train_in_fresh_ray
+
+    doc = example_doc("tiny-grpo.yaml")
+    doc["metadata"]["name"] = "bypass"
+    doc["spec"]["algorithm"]["rolloutCorrection"] = {"bypass": True}
+    doc["spec"]["data"]["val"] = None
+    doc["spec"]["trainer"] |= {"totalSteps": 40, "resume": "never", "evalEvery": 0,
+                               "checkpoint": {"every": 0, "path": str(tmp_path / "ckpt")}}
+    train_in_fresh_ray(parse_job(doc), tmp_path / "m.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert len(records) == 40 and not any("timing/old_log_probs" in r or "rollout_kl" in r for r in records)
+    rewards = [r["reward_mean"] for r in records]
+    assert sum(rewards[-5:]) / 5 > rewards[0] + 0.3, rewards

@@ -117,9 +117,21 @@ def old_log_probs_from_update(spec: RLTrainingJobSpec, lag: int) -> bool:
     """Whether the update takes the old log-probs from its own forward pass, detached, instead of a pass of
     their own: on-policy (lag 0) with one optimiser step per batch (ppoEpochs 1, one minibatch), every forward
     of the update runs on the weights that generated the batch, so pi_old = pi and the ratio is 1. A KL
-    penalty in the reward needs them before the advantages, so it keeps the pass."""
+    penalty in the reward needs them before the advantages, so it keeps the pass; rolloutCorrection.bypass
+    takes the engine's instead."""
     kl_in_reward = needs_reference(spec) and spec.algorithm.kl_penalty.mode == "reward"
-    return lag == 0 and spec.algorithm.ppo_epochs == 1 and optimizer_steps(spec) == 1 and not kl_in_reward
+    return (lag == 0 and spec.algorithm.ppo_epochs == 1 and optimizer_steps(spec) == 1 and not kl_in_reward
+            and not old_log_probs_from_rollout(spec))
+
+
+def old_log_probs_from_rollout(spec: RLTrainingJobSpec) -> bool:
+    """Whether the rollout engine's own log-probs are the old ones (rolloutCorrection.bypass): no pass of them."""
+    return spec.algorithm.rollout_correction.bypass
+
+
+def old_log_probs_pass(spec: RLTrainingJobSpec, lag: int) -> bool:
+    """Whether a pass scores the old log-probs: neither the update's own forward nor the engine gives them."""
+    return not old_log_probs_from_update(spec, lag) and not old_log_probs_from_rollout(spec)
 
 
 def shards_training(ranks: int, shard: bool, lora: bool) -> bool:
@@ -141,13 +153,12 @@ def scored_steps(spec: RLTrainingJobSpec, actor: Node, critic: Node | None, crit
       values          a critic on hosts of its own (data-parallel over its ranks), or a sharded one on the
                       actor's hosts, which then scores with its shards and keeps no full copy between updates;
       old_log_probs   a sharded actor whose rollout runs in vLLM's engine and that needs a pass of old
-                      log-probs (not old_log_probs_from_update): scored with the shards, the actor keeps no
-                      full copy of the policy while vLLM generates.
+                      log-probs (old_log_probs_pass): scored with the shards, the actor keeps no full copy of the
+                      policy while vLLM generates.
     Collectives pair up only when every rank runs the same passes, which chunks dealt to one host at a time
     cannot give."""
     steps: list[str] = []
-    if (spec.rollout.engine == "vllm" and not old_log_probs_from_update(spec, lag)
-            and trains_sharded(spec, actor)):
+    if spec.rollout.engine == "vllm" and old_log_probs_pass(spec, lag) and trains_sharded(spec, actor):
         steps.append(STEP_OF_ROLE["actor_rollout"].name)
     if critic is not None and (not critic_shares_hosts or trains_sharded(spec, critic)):
         steps.append(STEP_OF_ROLE["critic"].name)
@@ -157,13 +168,13 @@ def scored_steps(spec: RLTrainingJobSpec, actor: Node, critic: Node | None, crit
 def policy_copy_read_between_updates(spec: RLTrainingJobSpec, lag: int, scored: Collection[str] = ()) -> bool:
     """Whether anything reads the actor's full inference copy between updates: torch generation on lag 0 runs on
     it; with lag 1 it runs on a copy of its own, which also scores the old log-probs; vLLM generates in its own
-    engine, so only a pass of old log-probs in the chain (see old_log_probs_from_update; `scored` as
+    engine, so only a pass of old log-probs in the chain (see old_log_probs_pass; `scored` as
     StepPlan.scored) or a reference that is the LoRA policy's base reads it. Where nothing does, a sharded actor
     keeps only its shards (RoleTraining.keep_copy)."""
     if reference_in_policy(spec):
         return True
     if spec.rollout.engine == "vllm":
-        return not old_log_probs_from_update(spec, lag) and STEP_OF_ROLE["actor_rollout"].name not in scored
+        return old_log_probs_pass(spec, lag) and STEP_OF_ROLE["actor_rollout"].name not in scored
     return lag == 0
 
 
@@ -387,7 +398,7 @@ def step_plan(graph: DataflowGraph, spec: RLTrainingJobSpec) -> StepPlan:
         elif node.role != "critic":
             remote.append(RemoteStep(step, node, f"{actor.name}->{node.name}"))
     lag = policy_lag(graph)
-    if not old_log_probs_from_update(spec, lag):
+    if old_log_probs_pass(spec, lag):
         colocated.append(STEP_OF_ROLE["actor_rollout"].name)
     separate_critic = critic is not None and critic.name not in shared
     scored = scored_steps(spec, actor, critic, not separate_critic, lag)

@@ -134,6 +134,8 @@ class SapoGate(ApiModel):
 
 
 _IS_BOUNDS = "rolloutCorrection.lowerThreshold must be below rolloutCorrection.threshold"
+_BYPASS_WITHOUT_IS = ("rolloutCorrection.bypass takes the ratio to the engine's own log-probs, which covers its gap:"
+                      " importanceSampling must be none with it")
 
 
 class RolloutCorrection(ApiModel):
@@ -147,7 +149,9 @@ class RolloutCorrection(ApiModel):
     model_config = ApiModel.model_config | ConfigDict(
         json_schema_extra=_rules(
             _cel("!has(self.lowerThreshold) || self.lowerThreshold < (has(self.threshold) ? self.threshold : 2.0)",
-                 _IS_BOUNDS, ".lowerThreshold")
+                 _IS_BOUNDS, ".lowerThreshold"),
+            _cel("!has(self.bypass) || !self.bypass || !has(self.importanceSampling)"
+                 " || self.importanceSampling == 'none'", _BYPASS_WITHOUT_IS, ".importanceSampling"),
         )
     )
 
@@ -158,11 +162,17 @@ class RolloutCorrection(ApiModel):
     """Weights above it are cut to it (truncated importance sampling); verl's rollout_is_threshold."""
     lower_threshold: float | None = Field(None, gt=0.0)
     """With it, a weight outside [lowerThreshold, threshold] becomes 0 instead (IcePop; verl's "lower_upper")."""
+    bypass: bool = False
+    """The engine's own log-probs stand in for pi_old (verl's bypass_mode, with its ppo_clip loss): no pass of old
+    log-probs runs (one forward over each batch saved; a sharded actor generating in vLLM keeps no full copy of the
+    policy), and PPO's ratio and clip are taken to the policy that sampled, numerics and all."""
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> RolloutCorrection:
         if self.lower_threshold is not None and not self.lower_threshold < self.threshold:
             raise ValueError(_IS_BOUNDS)
+        if self.bypass and self.importance_sampling != "none":
+            raise ValueError(_BYPASS_WITHOUT_IS)
         return self
 
 

@@ -14,6 +14,7 @@ from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.plan import (
     SP_FIELDS,
     STEP_OF_ROLE,
+    old_log_probs_from_rollout,
     old_log_probs_from_update,
     optimizer_steps,
     policy_copy_read_between_updates,
@@ -125,17 +126,22 @@ class ActorRolloutWorker:
 
     def generate(self, rows: list[dict[str, str]], group_ids: list[int]) -> RolloutBatch:
         """The samples; for remax also each prompt's greedy response (`RolloutBatch.baselines`), by the same
-        policy version, generated once per group."""
+        policy version, generated once per group. With rolloutCorrection.bypass the engine's log-probs are the old
+        ones."""
         version = self.generating_version()
         if self.spec.algorithm.name != "remax":
-            return self.rollout.generate(rows, group_ids, version)
-        first = first_of_each_group(group_ids)
-        with self.rollout.awake():
             batch = self.rollout.generate(rows, group_ids, version)
-            greedy = self.rollout.generate([rows[i] for i in first.values()], list(first), version, Sampling(0.0))
-        answer = dict(zip(first, greedy.responses, strict=True))
-        batch.baselines = [answer[g] for g in group_ids]
-        batch.add_timing("generate_baseline", greedy.timings["generate"])
+        else:
+            first = first_of_each_group(group_ids)
+            with self.rollout.awake():
+                batch = self.rollout.generate(rows, group_ids, version)
+                greedy = self.rollout.generate([rows[i] for i in first.values()], list(first), version,
+                                               Sampling(0.0))
+            answer = dict(zip(first, greedy.responses, strict=True))
+            batch.baselines = [answer[g] for g in group_ids]
+            batch.add_timing("generate_baseline", greedy.timings["generate"])
+        if old_log_probs_from_rollout(self.spec):
+            batch.tensors["old_log_probs"] = batch.tensors["rollout_log_probs"]
         return batch
 
     def evaluate(self, rows: list[dict[str, str]], group_ids: list[int], seed: int) -> RolloutBatch:
@@ -289,7 +295,7 @@ class ActorRolloutWorker:
                      mask: torch.Tensor) -> dict[str, float]:
         """The rollout engine's log-probs against the trainer's for the weights that generated `batch`: the gap
         (rollout_kl) and, with spec.algorithm.rolloutCorrection, each token's weight (`rollout_weights`)."""
-        if "rollout_log_probs" not in batch.tensors:
+        if "rollout_log_probs" not in batch.tensors or old_log_probs_from_rollout(self.spec):
             return {}
         engine = batch.tensors["rollout_log_probs"].to(trainer_log_probs.device)
         mask = mask.to(trainer_log_probs.device)
