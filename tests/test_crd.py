@@ -687,6 +687,22 @@ EVAL_SETTINGS = [
 ]
 
 
+NULL_CHOICES = [
+    {"cluster": {"tolerations": [{"key": "gpu", "operator": None, "effect": None}]}},
+    {"cluster": {"nccl": {"debug": None}}},
+    {"cluster": {"volumes": [{"name": "scratch", "emptyDir": {"medium": None}}]}},
+]
+
+
+@controlplane
+@pytest.mark.parametrize("spec", NULL_CHOICES, ids=["toleration", "nccl-debug", "empty-dir-medium"])
+def test_api_server_takes_a_null_for_a_choice_the_model_leaves_open(apiserver: Any, spec: dict[str, Any]) -> None:
+    """A nullable enum lists null among its values: the API server checks a null against the enum as well."""
+    RLTrainingJobSpec.model_validate(spec)
+    result = create(apiserver, job(**spec))
+    assert result.returncode == 0, result.stderr
+
+
 @controlplane
 @pytest.mark.parametrize("spec", EVAL_SETTINGS, ids=["every", "sampled", "null-temperature", "null-val"])
 def test_api_server_accepts_what_the_model_accepts_of_evaluation(apiserver: Any, spec: dict[str, Any]) -> None:

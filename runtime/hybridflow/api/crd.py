@@ -156,7 +156,12 @@ class _Structural:
                 out[key] = self._node(value, f"{path}[]", seen)
             else:
                 out[key] = value
-        if nullable:
+        if nullable and "enum" in out:
+            # The API server checks a null against the enum even where the field is nullable, and refuses it. Not
+            # nullable, the null is pruned as the field left out: what None means to the model where it defaults.
+            if "default" in out:
+                raise ValueError(f"{path or '.'}: an enum whose null differs from its default cannot be structural")
+        elif nullable:
             out["nullable"] = True
         if "type" not in out and out.get(_INT_OR_STRING) is not True:
             raise ValueError(f"{path or '.'}: schema node without a type: {sorted(out)}")
