@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.algos import logprobs_from_logits
 from hybridflow.api.spec import Evaluation, Rollout
 from hybridflow.workers.modeling import cache_keyword, distinct_prompts, position_ids, returned_cache
 
@@ -73,19 +74,13 @@ def compacts(finished: int, batch: int) -> bool:
     return finished >= max(1, batch // 8)
 
 
-def token_log_probs_of(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits) at `token`, per row: the model's own probability of what was drawn, before temperature,
-    top-k or top-p (vLLM's raw_logprobs, and what the trainer's log-probs measure)."""
-    logits = logits.float()
-    return logits.gather(-1, token.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-
-
 @torch.no_grad()
 def sample(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, how: Sampling,
            eos_id: int | None, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, max_new_tokens] responses to the left-padded prompts `ids` (`mask` 1 on their tokens): each stops
-    after its EOS, and `pad_id` fills the rest; and the log-probs of their tokens (token_log_probs_of; 0 after
-    the EOS)."""
+    after its EOS, and `pad_id` fills the rest; and the log-probs of their tokens, 0 after the EOS: the raw
+    model's, before temperature, top-k or top-p (vLLM's raw_logprobs), by the trainer's own
+    algos.logprobs_from_logits."""
     rows = ids.shape[0]
     out_tokens = ids.new_full((rows, max_new_tokens), pad_id)
     out_log_probs = torch.zeros(rows, max_new_tokens, device=ids.device)
@@ -104,7 +99,7 @@ def sample(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, max_ne
     for t in range(max_new_tokens):
         token = next_tokens(logits, how)
         out_tokens[alive[~done], t] = token[~done]
-        out_log_probs[alive[~done], t] = token_log_probs_of(logits[~done], token[~done])
+        out_log_probs[alive[~done], t] = logprobs_from_logits(logits[~done], token[~done]).float()
         if eos_id is not None:
             done |= token == eos_id
         finished = int(done.sum())
