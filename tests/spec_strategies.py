@@ -385,11 +385,17 @@ def covariance_bounds(draw: st.DrawFn, spec: dict[str, Any]) -> None:
 
 
 def icepop_band(draw: st.DrawFn, spec: dict[str, Any]) -> None:
-    """rolloutCorrection.lowerThreshold below threshold (2 when left out); bypass only without importanceSampling."""
+    """rolloutCorrection.lowerThreshold below threshold (2 when left out); bypass and batchNormalize only without and
+    with importanceSampling; a rejection rule's lowerThreshold only on k1, at most threshold (1/threshold when left
+    out); one rule per divergence."""
+    rule = st.fixed_dictionaries(
+        {"divergence": st.sampled_from(["token_k1", "seq_mean_k1", "seq_sum_k3", "seq_max_k2"]),
+         "threshold": st.sampled_from([0.5, 2.0])}, optional={"lowerThreshold": st.sampled_from([0.25, 1.0, 3.0])})
     _section(spec, "algorithm")["rolloutCorrection"] = draw(st.fixed_dictionaries(
         {"importanceSampling": st.sampled_from(["none", "token", "sequence"])},
         optional={"threshold": st.sampled_from([0.5, 2.0, 5.0]), "lowerThreshold": st.sampled_from([0.5, 2.0, 3.0]),
-                  "bypass": st.booleans()}))
+                  "bypass": st.booleans(), "batchNormalize": st.booleans(),
+                  "rejectionSampling": st.lists(rule, max_size=3)}))
 
 
 def dro_beta(draw: st.DrawFn, spec: dict[str, Any]) -> None:

@@ -15,6 +15,7 @@ summing terms of both signs can be much smaller than its terms, which are of ord
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -35,9 +36,12 @@ from hybridflow.algos import (
     compute_remax_advantages,
     compute_rloo_advantages,
     gspo_policy_loss,
+    rollout_rejection,
     rollout_weights,
     scores_to_token_rewards,
+    weight_mean_terms,
 )
+from hybridflow.api.spec import RejectionRule
 from tests.helpers import unavailable
 
 ORACLE = Path(__file__).resolve().parent / "oracle"
@@ -46,6 +50,8 @@ RTOL, ATOL = 1e-8, 1e-9
 TOL_SEQ_MEAN_TOKEN_MEAN = 5e-8
 """verl divides each sequence's sum by its length + 1e-8: a relative 1e-8 on every sequence's loss, which SAPO's
 gate (4 / tau, times advantages up to ~3) makes a few 1e-8 of the aggregate."""
+IN_FLOAT32 = {"rollout_rejected_seq_frac"}
+"""Results verl rounds to float32 whatever its inputs (the share of rejected responses: `seq_has_masked.float()`)."""
 BATCH, TOKENS = 18, 7
 HORIZON = 11
 """seq-mean-token-sum-norm's constant (verl's loss_scale_factor), apart from the width TOKENS verl takes without it."""
@@ -181,19 +187,62 @@ def make_cases() -> list[tuple[dict[str, Any], Ours]]:
     return cases
 
 
+REJECTION_RULES = [[RejectionRule.model_validate(rule) for rule in rules] for rules in (
+    [{"divergence": "token_k1", "threshold": 1.3, "lowerThreshold": 0.8}],
+    [{"divergence": "token_k2", "threshold": 0.05}], [{"divergence": "token_k3", "threshold": 0.05}],
+    [{"divergence": "seq_sum_k1", "threshold": 2.0, "lowerThreshold": 0.5}],
+    [{"divergence": "seq_sum_k2", "threshold": 0.3}], [{"divergence": "seq_sum_k3", "threshold": 0.3}],
+    [{"divergence": "seq_mean_k1", "threshold": 1.1}], [{"divergence": "seq_mean_k2", "threshold": 0.05}],
+    [{"divergence": "seq_mean_k3", "threshold": 0.05}], [{"divergence": "seq_max_k2", "threshold": 0.15}],
+    [{"divergence": "seq_max_k3", "threshold": 0.15}],
+    [{"divergence": "token_k1", "threshold": 1.3, "lowerThreshold": 0.8},
+     {"divergence": "seq_mean_k3", "threshold": 0.05}],
+)]
+"""Every divergence verl's rollout_rs offers, alone with bounds that reject some of these inputs, and two together."""
+
+
+def verl_rs_threshold(rule: RejectionRule) -> str:
+    """verl's rollout_rs_threshold entry: "lower_upper" for k1, else the upper bound."""
+    lower, upper = rule.band()
+    return str(upper) if lower is None else f"{lower}_{upper}"
+
+
+def rejection(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor,
+              rules: list[RejectionRule]) -> dict[str, Any]:
+    kept, metrics = rollout_rejection(trainer, engine, mask, [(r.divergence, *r.band()) for r in rules])
+    return {"mask": kept} | metrics
+
+
+def normalized(weights: torch.Tensor, mask: torch.Tensor, level: str, normalize: bool) -> torch.Tensor:
+    """The weights over their batch mean, as the actor divides them on a single rank."""
+    if not normalize:
+        return weights
+    total, count = weight_mean_terms(weights, mask, level)
+    return weights / (total / count)
+
+
 def rollout_is_cases(b: dict[str, Any]) -> list[tuple[dict[str, Any], Ours]]:
     """The trainer's and an engine's log-probs a little apart, weighed per token and per sequence, truncated (verl's
-    threshold a number) and IcePop's band (verl's "lower_upper")."""
+    threshold a number) and IcePop's band (verl's "lower_upper"), each also normalised to mean 1; and rejected by
+    each of REJECTION_RULES."""
     g, mask = b["gen"], b["mask"]
     trainer = -3.0 * torch.rand(BATCH, TOKENS, generator=g, dtype=torch.float64)
     engine = trainer + 0.3 * torch.randn(BATCH, TOKENS, generator=g, dtype=torch.float64)
     out: list[tuple[dict[str, Any], Ours]] = []
-    for level, upper, lower in (("token", 1.3, None), ("token", 1.3, 0.8), ("sequence", 2.0, None),
-                                ("sequence", 2.0, 0.5)):
+    for (level, upper, lower), normalize in itertools.product(
+            (("token", 1.3, None), ("token", 1.3, 0.8), ("sequence", 2.0, None), ("sequence", 2.0, 0.5)),
+            (False, True)):
         request = {"kind": "rollout_is", "trainer_log_probs": trainer, "rollout_log_probs": engine, "mask": mask,
-                   "level": level, "threshold": upper if lower is None else f"{lower}_{upper}"}
-        out.append((request, lambda level=level, upper=upper, lower=lower: {
-            "weights": rollout_weights(trainer, engine, mask, level, upper, lower)[0]}))
+                   "level": level, "threshold": upper if lower is None else f"{lower}_{upper}",
+                   "normalize": normalize}
+        out.append((request, lambda level=level, upper=upper, lower=lower, normalize=normalize: {
+            "weights": normalized(rollout_weights(trainer, engine, mask, level, upper, lower)[0], mask, level,
+                                  normalize)}))
+    for rules in REJECTION_RULES:
+        request = {"kind": "rollout_rs", "trainer_log_probs": trainer, "rollout_log_probs": engine, "mask": mask,
+                   "options": ",".join(rule.divergence for rule in rules),
+                   "thresholds": ",".join(verl_rs_threshold(rule) for rule in rules)}
+        out.append((request, lambda rules=rules: rejection(trainer, engine, mask, rules)))
     return out
 
 
@@ -256,8 +305,8 @@ def compared() -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("kind", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
-                                  "remax", "rollout_is", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov",
-                                  "kl_cov", "dppo_tv", "dppo_kl", "dro"])
+                                  "remax", "rollout_is", "rollout_rs", "gspo", "cispo", "gpg", "sapo", "geo_mean",
+                                  "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"])
 def test_agrees_with_verl(compared: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]], kind: str) -> None:
     checked = 0
     for request, ours, theirs in compared:
@@ -267,6 +316,8 @@ def test_agrees_with_verl(compared: list[tuple[dict[str, Any], dict[str, Any], d
             actual = torch.as_tensor(ours[key], dtype=torch.float64)
             loose = request.get("agg") == "seq-mean-token-mean"
             rtol, atol = (TOL_SEQ_MEAN_TOKEN_MEAN,) * 2 if loose else (RTOL, ATOL)
+            if key in IN_FLOAT32:
+                rtol, atol = 2.0 ** -23, 0.0
             torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=torch.float64), rtol=rtol, atol=atol,
                                        msg=lambda m, key=key, req=request: f"{kind} {key} "
                                        f"(agg={req.get('agg')}, gamma={req.get('gamma')}): {m}")
@@ -288,6 +339,15 @@ def test_the_dppo_cases_leave_some_tokens_outside_the_trust_region_and_not_other
 ) -> None:
     fractions = [theirs["clip_frac"] for request, _, theirs in compared if request["kind"] == mode]
     assert fractions and all(0.0 < f < 1.0 for f in fractions), fractions
+
+
+def test_each_rejection_case_drops_some_responses_and_keeps_others(
+    compared: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]],
+) -> None:
+    """Otherwise agreement would say nothing about the bounds."""
+    fractions = {request["options"]: theirs["rollout_rejected_seq_frac"] for request, _, theirs in compared
+                 if request["kind"] == "rollout_rs"}
+    assert len(fractions) == len(REJECTION_RULES) and all(0.0 < f < 1.0 for f in fractions.values()), fractions
 
 
 def test_the_covariance_cases_cut_some_tokens_and_not_others(

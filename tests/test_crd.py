@@ -613,6 +613,28 @@ REJECTED = [
         "rolloutCorrection.bypass takes the ratio to the engine's own log-probs",
     ),
     (
+        "normalized-without-weights",
+        {"algorithm": {"rolloutCorrection": {"batchNormalize": True}}},
+        "rolloutCorrection.batchNormalize scales importance weights",
+    ),
+    (
+        "rejection-lower-bound-off-k1",
+        {"algorithm": {"rolloutCorrection": {"rejectionSampling": [
+            {"divergence": "seq_mean_k3", "threshold": 0.1, "lowerThreshold": 0.05}]}}},
+        "rejectionSampling.lowerThreshold bounds a ratio: only a k1 divergence",
+    ),
+    (
+        "rejection-k1-band-empty",
+        {"algorithm": {"rolloutCorrection": {"rejectionSampling": [{"divergence": "token_k1", "threshold": 0.5}]}}},
+        "a k1 divergence keeps ratios within [lowerThreshold, threshold]",
+    ),
+    (
+        "rejection-divergence-twice",
+        {"algorithm": {"rolloutCorrection": {"rejectionSampling": [
+            {"divergence": "token_k2", "threshold": 0.1}, {"divergence": "token_k2", "threshold": 0.2}]}}},
+        "Duplicate value",
+    ),
+    (
         "dro-without-beta",
         {"algorithm": {"policyLoss": "dro"}},
         "algorithm.droBeta (a number above 0) is required with policyLoss dro",

@@ -191,7 +191,7 @@ def test_prompts_over_the_limit_stop_the_job_before_it_starts(example_doc, long_
     spec = long_spec(example_doc, long_prompts)
     message = ("spec.data.maxPromptLength: 2 of the 3 prompts of spec.data.train are longer than 8 tokens (the "
                "longest, row 1, has 12); raise maxPromptLength, set data.filterOverlongPrompts to drop them, or "
-               "data.truncation left or right to cut them")
+               "data.truncation left, right or middle to cut them")
     with pytest.raises(DataError) as e:
         load_prompts(spec, "train")
     assert str(e.value) == message
@@ -205,13 +205,15 @@ def test_filter_overlong_prompts_drops_them_as_the_dataset_loads(example_doc, lo
         load_prompts(long_spec(example_doc, long_prompts, filterOverlongPrompts=True, maxPromptLength=3), "train")
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_truncation_keeps_the_end_or_the_start_of_a_long_prompt(example_doc, long_prompts: Path, side: str) -> None:
+@pytest.mark.parametrize("side", ["left", "right", "middle"])
+def test_truncation_keeps_the_end_the_start_or_both_of_a_long_prompt(example_doc, long_prompts: Path,
+                                                                     side: str) -> None:
     spec = long_spec(example_doc, long_prompts, truncation=side)
     rows = load_prompts(spec, "train")
     assert len(rows) == 3
     host = WorkerHost(spec.model_dump(mode="json"), {"actor_rollout": "actor_rollout"}, instance=0, use_gpu=False)
     batch = host.rollout(rows[1:2], [0], [])
     digits = [4 + int(d) for d in "0123456789"] + [5]
-    kept = digits[-7:] if side == "left" else digits[:7]  # the tokenizer's BOS stays either way
-    assert batch.input_ids[0, :batch.prompt_length].tolist() == [1, *kept]
+    kept = {"left": [1, *digits[-7:]], "right": [1, *digits[:7]],  # the tokenizer keeps its BOS
+            "middle": [1, *digits[:3], *digits[-4:]]}[side]  # the first 8 // 2 ids, BOS among them, and the last 4
+    assert batch.input_ids[0, :batch.prompt_length].tolist() == kept

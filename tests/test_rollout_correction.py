@@ -1,8 +1,10 @@
-"""spec.algorithm.rolloutCorrection: importance weights from the rollout engine's own log-probs to the trainer's.
-tests/test_algos_oracle.py checks the weights against verl's rollout_is."""
+"""spec.algorithm.rolloutCorrection: importance weights from the rollout engine's own log-probs to the trainer's, and
+rejection of what the engine sampled too far from the trainer. tests/test_algos_oracle.py checks the weights and the
+rejection masks against verl's rollout_is and rollout_rs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 
 from hybridflow import algos
 from hybridflow.api import parse_job
-from hybridflow.api.spec import RolloutCorrection
+from hybridflow.api.spec import RejectionRule, RolloutCorrection
 from hybridflow.step import StepOutput, step_record
 from hybridflow.trackers import namespaced
 from hybridflow.workers.host import WorkerHost
@@ -88,6 +90,85 @@ def test_the_actor_weighs_each_tokens_loss_and_reports_the_gap(example_doc) -> N
     assert any(moved)
     record = step_record(1, StepOutput(stats=STATS, update=b), 1.0, 0.0)
     assert {"rollout_corr/kl", "rollout_corr/weight_mean", "rollout_corr/weight_cut_frac"} <= set(namespaced(record))
+
+
+def tiny_host(example_doc, correction: dict[str, object]) -> WorkerHost:
+    """The tiny GRPO job's workers on batches of 4 prompts x 4 samples, two minibatches a step."""
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["data"]["batchSize"] = 4
+    doc["spec"]["algorithm"] |= {"miniBatchSize": 8, "rolloutCorrection": correction}
+    return WorkerHost(parse_job(doc).spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
+
+
+@pytest.mark.parametrize("bypass", [False, True])
+def test_rejected_responses_leave_the_update_and_the_rest_train_as_before(example_doc, bypass: bool) -> None:
+    """The engine's log-probs of the first prompt's 4 responses are moved far from the trainer's: a seq_max_k2 rule
+    drops them, so the update is the same whatever their advantages, while without the rule it is not. Measured on
+    the old log-probs, or with bypass at each pass on the policy being updated."""
+    rule = {"divergence": "seq_max_k2", "threshold": 0.05}
+    r, g = rows(4)
+    scored = [] if bypass else ["old_log_probs"]
+    batch = tiny_host(example_doc, {}).rollout([x for x in r for _ in range(4)], [i for i in g for _ in range(4)],
+                                               ["reward", "reference", *scored])
+    batch.tensors["rollout_log_probs"][:4] -= 0.6  # k2 = 0.18 on every token of the first four
+    advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+
+    def weights_after(correction: dict[str, object], first_rows_advantage: float) -> tuple[list[torch.Tensor],
+                                                                                           dict[str, float]]:
+        host = tiny_host(example_doc, {"bypass": bypass} | correction)
+        copy = dataclasses.replace(batch, tensors=dict(batch.tensors))
+        if bypass:
+            copy.tensors["old_log_probs"] = copy.tensors["rollout_log_probs"]
+        copy.tensors["advantages"] = advantages.clone()
+        copy.tensors["advantages"][:4] = first_rows_advantage
+        metrics = host.update(copy, 0.001).metrics
+        return list(host.workers["actor_rollout"].model.state_dict().values()), metrics
+
+    (kept_up, metrics), (kept_down, _) = (weights_after({"rejectionSampling": [rule]}, a) for a in (3.0, -3.0))
+    assert all(torch.equal(a, b) for a, b in zip(kept_up, kept_down, strict=True))
+    (plain_up, _), (plain_down, _) = (weights_after({}, a) for a in (3.0, -3.0))
+    assert not all(torch.equal(a, b) for a, b in zip(plain_up, plain_down, strict=True))
+    valid = batch.response_mask.float()
+    if not bypass:  # the others are the trainer's own numbers; with bypass the update's drift may reject more
+        assert metrics["rollout_rejected_seq_frac"] == 0.25
+        assert metrics["rollout_rejected_frac"] == pytest.approx(float(valid[:4].sum() / valid.sum()))
+    assert metrics["rollout_rejected_seq_frac"] >= 0.25
+    record = step_record(1, StepOutput(stats=STATS, update=metrics), 1.0, 0.0)
+    assert {"rollout_corr/rs_masked_fraction", "rollout_corr/rs_seq_masked_fraction"} <= set(namespaced(record))
+
+
+def test_normalised_weights_are_divided_by_their_mean(example_doc) -> None:
+    r, g = rows(4)
+    host = tiny_host(example_doc, {"importanceSampling": "token", "threshold": 1.2, "batchNormalize": True})
+    batch = host.rollout([x for x in r for _ in range(4)], [i for i in g for _ in range(4)],
+                         ["reward", "reference", "old_log_probs"])
+    batch.tensors["advantages"] = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    batch.tensors["rollout_log_probs"][:, ::2] -= 0.4
+    metrics = host.update(batch, 0.001).metrics
+    assert metrics["rollout_weight_norm_factor"] == pytest.approx(metrics["rollout_weight_mean"])
+    assert metrics["rollout_weight_mean"] > 1
+    valid = batch.response_mask.bool()
+    assert batch.tensors["rollout_weights"][valid].mean().item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(("rule", "message"), [
+    ({"divergence": "seq_mean_k3", "threshold": 0.1, "lowerThreshold": 0.01}, "only a k1 divergence"),
+    ({"divergence": "token_k1", "threshold": 0.9}, r"lowerThreshold \(default 1/threshold\) at most threshold"),
+    ({"divergence": "token_k1", "threshold": 1.5, "lowerThreshold": 2.0}, "at most threshold"),
+])
+def test_a_rejection_rule_out_of_order_is_refused(rule: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RejectionRule.model_validate(rule)
+
+
+def test_a_k1_band_defaults_to_the_inverse_of_its_threshold() -> None:
+    assert RejectionRule.model_validate({"divergence": "seq_mean_k1", "threshold": 4.0}).band() == (0.25, 4.0)
+    assert RejectionRule.model_validate({"divergence": "seq_max_k3", "threshold": 4.0}).band() == (None, 4.0)
+
+
+def test_batch_normalisation_needs_importance_weights() -> None:
+    with pytest.raises(ValueError, match="batchNormalize scales importance weights"):
+        RolloutCorrection(batch_normalize=True)
 
 
 def test_bypass_and_importance_weights_exclude_each_other() -> None:

@@ -482,6 +482,49 @@ def rollout_weights(trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Te
                      "rollout_weight_cut_frac": masked_mean((weights != raw).to(raw.dtype), mask).item()}
 
 
+def weight_mean_terms(weights: torch.Tensor, mask: torch.Tensor, level: str) -> tuple[float, float]:
+    """(sum, count) whose ratio is the weights' mean, added up over ranks before dividing: over the valid tokens
+    (`token`), or over the responses with one (`sequence`, whose tokens all carry the response's weight)."""
+    if level == "sequence":
+        rows = mask.sum(-1) > 0
+        return float(masked_mean(weights, mask, dim=-1)[rows].sum()), float(rows.sum())
+    return float((weights * mask).sum()), float(mask.sum())
+
+
+@torch.no_grad()
+def rollout_rejection(trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
+                      rules: Sequence[tuple[str, float | None, float]]) -> tuple[torch.Tensor, dict[str, float]]:
+    """The mask with what any rule rejects set to 0, [B, T] (verl's rollout_rs). Per token, with the log-ratio
+    d = log mu - log pi of the engine's policy mu to the trainer's pi, clamped to +-20:
+
+        k1 = d,   k2 = d^2 / 2,   k3 = exp(-d) - 1 + d
+
+    A rule (name, lower, upper) is `token_kN`, or `seq_sum_kN`, `seq_mean_kN`, `seq_max_kN` over each response's
+    valid tokens, rejecting the whole response. k1 keeps log lower <= value <= log upper; k2 and k3 value <= upper.
+    Metrics: rollout_rejected_frac (of the valid tokens) and rollout_rejected_seq_frac (of the responses).
+    """
+    d = torch.clamp(rollout_log_probs - trainer_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    token = {"k1": d, "k2": 0.5 * d * d, "k3": torch.expm1(-d) + d}
+    valid = mask > 0
+    keep = torch.ones_like(valid)
+    for name, lower, upper in rules:
+        level, divergence = name.rsplit("_", 1)
+        value = token[divergence]
+        if level == "seq_sum":
+            value = (value * mask).sum(-1, keepdim=True)
+        elif level == "seq_mean":
+            value = masked_mean(value, mask, dim=-1).unsqueeze(-1)
+        elif level == "seq_max":
+            top = value.masked_fill(~valid, float("-inf")).amax(-1, keepdim=True)
+            value = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+        kept = value <= upper if lower is None else (value >= math.log(lower)) & (value <= math.log(upper))
+        keep &= kept.expand_as(valid)
+    kept_mask = mask * keep.to(mask.dtype)
+    rejected = valid & ~keep
+    return kept_mask, {"rollout_rejected_frac": masked_mean(rejected.to(d.dtype), mask).item(),
+                       "rollout_rejected_seq_frac": rejected.any(-1).to(d.dtype).mean().item()}
+
+
 @torch.no_grad()
 def rollout_kl(trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor) -> float:
     """KL(mu || pi) of the rollout engine's policy mu to the trainer's pi, on mu's samples: the k3 estimate

@@ -71,8 +71,18 @@ def rollout_is(case: dict[str, Any]) -> dict[str, Any]:
 
     weights, _ = compute_rollout_correction_weights(
         t(case["trainer_log_probs"]) - t(case["rollout_log_probs"]), t(case["mask"]), rollout_is=case["level"],
-        rollout_is_threshold=case["threshold"])
+        rollout_is_threshold=case["threshold"], rollout_is_batch_normalize=case["normalize"])
     return {"weights": lists(weights)}
+
+
+def rollout_rs(case: dict[str, Any]) -> dict[str, Any]:
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_rejection_mask
+
+    mask, metrics = compute_rollout_rejection_mask(
+        t(case["trainer_log_probs"]) - t(case["rollout_log_probs"]), t(case["mask"]), rollout_rs=case["options"],
+        rollout_rs_threshold=case["thresholds"])
+    return {"mask": lists(mask), "rollout_rejected_frac": metrics["rollout_rs_masked_fraction"],
+            "rollout_rejected_seq_frac": metrics["rollout_rs_seq_masked_fraction"]}
 
 
 def policy_loss(case: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +112,7 @@ POLICY_LOSSES = ("gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov
 
 
 KINDS = {f.__name__: f for f in (rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk,
-                                 remax, rollout_is)} | {
+                                 remax, rollout_is, rollout_rs)} | {
     mode: policy_loss for mode in POLICY_LOSSES}
 
 

@@ -136,6 +136,52 @@ class SapoGate(ApiModel):
 _IS_BOUNDS = "rolloutCorrection.lowerThreshold must be below rolloutCorrection.threshold"
 _BYPASS_WITHOUT_IS = ("rolloutCorrection.bypass takes the ratio to the engine's own log-probs, which covers its gap:"
                       " importanceSampling must be none with it")
+_NORMALIZE_NEEDS_IS = ("rolloutCorrection.batchNormalize scales importance weights: importanceSampling must be token"
+                       " or sequence with it")
+_K1_BOUNDS_ONLY = ("rejectionSampling.lowerThreshold bounds a ratio: only a k1 divergence (token_k1, seq_sum_k1,"
+                   " seq_mean_k1) takes it")
+_K1_BAND = ("rejectionSampling: a k1 divergence keeps ratios within [lowerThreshold, threshold], lowerThreshold"
+            " (default 1/threshold) at most threshold")
+RejectionDivergence = Literal["token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3"]
+MAX_REJECTION_RULES = len(get_args(RejectionDivergence))
+
+
+class RejectionRule(ApiModel):
+    """Drop from the actor's loss what the engine sampled too far from the trainer's policy (verl's rollout_rs, one of
+    its comma-separated options): a hard trust region on the gap, where importance weights only shrink it.
+
+    With d = log pi_rollout - log pi_trainer per token: k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d. `token_*`
+    drops the tokens past the bound; `seq_sum_*`, `seq_mean_*` and `seq_max_*` drop the whole response by its sum,
+    mean or largest value. A k1 divergence keeps log lowerThreshold <= k1 <= log threshold (a band on the ratio
+    pi_rollout / pi_trainer); the others keep the value at most threshold."""
+
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel("!has(self.lowerThreshold) || self.divergence.endsWith('k1')", _K1_BOUNDS_ONLY, ".lowerThreshold"),
+            _cel("!self.divergence.endsWith('k1') || (has(self.lowerThreshold) ? self.lowerThreshold <= self.threshold"
+                 " : self.threshold >= 1.0)", _K1_BAND, ".threshold"),
+        )
+    )
+
+    divergence: RejectionDivergence
+    threshold: float = Field(gt=0.0, le=1e6)
+    lower_threshold: float | None = Field(None, gt=0.0)
+
+    @model_validator(mode="after")
+    def _band_in_order(self) -> RejectionRule:
+        if self.lower_threshold is not None and not self.divergence.endswith("k1"):
+            raise ValueError(_K1_BOUNDS_ONLY)
+        lower, upper = self.band()
+        if lower is not None and not lower <= upper:
+            raise ValueError(_K1_BAND)
+        return self
+
+    def band(self) -> tuple[float | None, float]:
+        """(lower, upper): the ratio's band for k1 (lower defaults to 1/threshold), else (None, threshold)."""
+        if not self.divergence.endswith("k1"):
+            return None, self.threshold
+        return (self.lower_threshold if self.lower_threshold is not None else 1.0 / self.threshold), self.threshold
 
 
 class RolloutCorrection(ApiModel):
@@ -152,6 +198,8 @@ class RolloutCorrection(ApiModel):
                  _IS_BOUNDS, ".lowerThreshold"),
             _cel("!has(self.bypass) || !self.bypass || !has(self.importanceSampling)"
                  " || self.importanceSampling == 'none'", _BYPASS_WITHOUT_IS, ".importanceSampling"),
+            _cel("!has(self.batchNormalize) || !self.batchNormalize || (has(self.importanceSampling)"
+                 " && self.importanceSampling != 'none')", _NORMALIZE_NEEDS_IS, ".batchNormalize"),
         )
     )
 
@@ -166,6 +214,23 @@ class RolloutCorrection(ApiModel):
     """The engine's own log-probs stand in for pi_old (verl's bypass_mode, with its ppo_clip loss): no pass of old
     log-probs runs (one forward over each batch saved; a sharded actor generating in vLLM keeps no full copy of the
     policy), and PPO's ratio and clip are taken to the policy that sampled, numerics and all."""
+    batch_normalize: bool = False
+    """Divide the weights by their mean, after the bounds, so that they average 1: over the step's valid tokens
+    (`token`) or responses (`sequence`) on all the actor's ranks, or over each pass where the update scores the old
+    log-probs itself (verl's rollout_is_batch_normalize)."""
+    rejection_sampling: list[RejectionRule] = Field(
+        default_factory=list, json_schema_extra=list_map(MAX_REJECTION_RULES, key="divergence"))
+    """Each rule drops what it rejects from the actor's loss (policy, entropy and KL terms); a token stays only where
+    every rule keeps it. Measured against the trainer's old log-probs, or with `bypass` against the policy being
+    updated, at each pass (the drift since sampling)."""
+
+    @field_validator("rejection_sampling")
+    @classmethod
+    def _one_rule_per_divergence(cls, rules: list[RejectionRule]) -> list[RejectionRule]:
+        twice = _duplicates(r.divergence for r in rules)
+        if twice:
+            raise ValueError(f"divergence {', '.join(map(repr, twice))} appears more than once")
+        return rules
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> RolloutCorrection:
@@ -173,6 +238,8 @@ class RolloutCorrection(ApiModel):
             raise ValueError(_IS_BOUNDS)
         if self.bypass and self.importance_sampling != "none":
             raise ValueError(_BYPASS_WITHOUT_IS)
+        if self.batch_normalize and self.importance_sampling == "none":
+            raise ValueError(_NORMALIZE_NEEDS_IS)
         return self
 
 
@@ -422,9 +489,10 @@ class Data(ApiModel):
     """Prompts per training step."""
     max_prompt_length: int = Field(32, ge=1, le=131072)
     """Tokens of a prompt, as the policy's tokenizer counts it (after the chat template)."""
-    truncation: Literal["error", "left", "right"] = "error"
+    truncation: Literal["error", "left", "right", "middle"] = "error"
     """A prompt longer than maxPromptLength: `error` stops the job before it starts, naming how many there are and
-    the longest; `left` keeps a prompt's last maxPromptLength tokens, `right` its first."""
+    the longest; `left` keeps a prompt's last maxPromptLength tokens, `right` its first (the tokenizer's special
+    tokens stay either way), `middle` its first maxPromptLength // 2 and the rest from its end."""
     filter_overlong_prompts: bool = False
     """Drop the prompts longer than maxPromptLength as the dataset loads (how many is logged): none is cut."""
     max_response_length: int = Field(8, ge=1, le=131072)

@@ -117,8 +117,15 @@ class PromptRenderer:
         return self._template
 
 
+MIDDLE = "middle"
+"""spec.data.truncation middle as the tokenizer's truncation_side, which the tokenizer itself cuts only left or right:
+prompt_token_ids cuts it."""
+
+
 def prompt_token_ids(tokenizer: Any, rows: list[dict[str, str]], max_length: int | None = None) -> list[list[int]]:
-    """Each row's prompt ids, at most `max_length` of them (cut on the tokenizer's truncation_side).
+    """Each row's prompt ids, at most `max_length` of them, cut on the tokenizer's truncation_side: `left` and
+    `right` by the tokenizer, which keeps its special tokens; `middle` (MIDDLE) keeps the first max_length // 2 ids
+    and the rest from the end, as verl cuts.
 
     A prompt the chat template rendered already holds its special tokens, so it is tokenized without the
     tokenizer's own (no second BOS): its ids are apply_chat_template's. Plain prompts get them as always.
@@ -130,9 +137,21 @@ def prompt_token_ids(tokenizer: Any, rows: list[dict[str, str]], max_length: int
         where = [i for i, c in enumerate(chat) if c == templated]
         if where:
             distinct = list(dict.fromkeys(rows[i]["prompt"] for i in where))
-            enc = tokenizer(distinct, add_special_tokens=not templated, truncation=max_length is not None,
-                            max_length=max_length)
+            middle = max_length is not None and getattr(tokenizer, "truncation_side", None) == MIDDLE
+            cut = max_length is not None and not middle
+            enc = tokenizer(distinct, add_special_tokens=not templated, truncation=cut, max_length=max_length)
             by_prompt = dict(zip(distinct, enc["input_ids"], strict=True))
+            if middle:
+                assert max_length is not None
+                by_prompt = {p: cut_middle(x, max_length) for p, x in by_prompt.items()}
             for i in where:
                 ids[i] = list(by_prompt[rows[i]["prompt"]])
     return ids
+
+
+def cut_middle(ids: list[int], max_length: int) -> list[int]:
+    """ids[:h] + ids[-(max_length - h):], h = max_length // 2; ids as they are when they fit."""
+    if len(ids) <= max_length:
+        return ids
+    head = max_length // 2
+    return ids[:head] + ids[len(ids) - (max_length - head):]

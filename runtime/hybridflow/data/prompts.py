@@ -84,8 +84,8 @@ def fit_prompt_length(rows: list[dict[str, str]], lengths: list[int], data: Data
     longest = max(over, key=lambda i: lengths[i])
     raise DataError(f"spec.data.maxPromptLength: {len(over)} of the {len(rows)} prompts of spec.data.{split} are "
                     f"longer than {limit} tokens (the longest, row {longest}, has {lengths[longest]}); raise "
-                    f"maxPromptLength, set data.filterOverlongPrompts to drop them, or data.truncation left or "
-                    f"right to cut them")
+                    f"maxPromptLength, set data.filterOverlongPrompts to drop them, or data.truncation left, "
+                    f"right or middle to cut them")
 
 
 def repeat_samples(rows: list[dict[str, str]], n: int) -> tuple[list[dict[str, str]], list[int]]:

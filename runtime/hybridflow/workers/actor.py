@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from typing import Any
@@ -19,6 +20,7 @@ from hybridflow.plan import (
     optimizer_steps,
     policy_copy_read_between_updates,
 )
+from hybridflow.workers import distributed
 from hybridflow.workers.batch import PolicyVersionError, RolloutBatch, first_of_each_group
 from hybridflow.workers.decoding import Sampling
 from hybridflow.workers.footprint import training_footprint
@@ -109,6 +111,9 @@ class ActorRolloutWorker:
         self.eval_sampling = Sampling.for_eval(spec.trainer.eval, spec.rollout)
         self.version = 0
         self.old_from_update = old_log_probs_from_update(spec, lag)
+        self.gap_per_pass = self.old_from_update or old_log_probs_from_rollout(spec)
+        """Whether each pass measures the engine's gap on its own log-probs: the update's are the old ones, or the
+        engine's are (bypass: rejection then bounds the drift since sampling)."""
         self.shuffle = torch.Generator().manual_seed(seed if shuffle_seed is None else shuffle_seed)
         self.sp = SequenceParallel.for_model(spec.model.policy.sequence_parallel, self.model.config,
                                              SP_FIELDS["actor_rollout"])
@@ -198,8 +203,12 @@ class ActorRolloutWorker:
             return self._frozen_step(lag)
         algo = self.spec.algorithm
         horizon = self.spec.data.max_response_length
-        gap = {} if self.old_from_update else self._rollout_gap(  # else each pass weighs its own log-probs
-            batch, batch.tensors["old_log_probs"], batch.response_mask.float())
+        gap = {} if self.gap_per_pass else self._rollout_gap(
+            batch, batch.tensors["old_log_probs"], batch.response_mask.float(), over_ranks=True)
+        if "rollout_mask" in batch.tensors:  # a copy: the batch the critic trains on keeps every token
+            kept = batch.tensors.pop("rollout_mask") > 0
+            batch = dataclasses.replace(batch, response_mask=kept.to(batch.response_mask.dtype),
+                                        tensors=dict(batch.tensors))
         if lag:
             self._decouple(batch)
 
@@ -209,7 +218,9 @@ class ActorRolloutWorker:
             assert ent is not None
             m = mb.response_mask.float().to(self.device)
             old = logp.detach() if self.old_from_update else mb.tensors["old_log_probs"].to(self.device)
-            pass_gap = self._rollout_gap(mb, old, m) if self.old_from_update else {}
+            pass_gap = self._rollout_gap(mb, logp.detach(), m, over_ranks=False) if self.gap_per_pass else {}
+            if "rollout_mask" in mb.tensors:  # known only now: the pass's share (micro_weight) counts every token
+                m = mb.tensors["rollout_mask"].to(m)
             adv = mb.tensors["advantages"].to(self.device)
             w = _product([mb.tensors[k].to(self.device) for k in ("behaviour_weights", "rollout_weights")
                           if k in mb.tensors])
@@ -291,19 +302,36 @@ class ActorRolloutWorker:
         return algos.ppo_policy_loss(old, logp, adv, mask, clip_low=low, clip_high=high, dual_clip_c=algo.dual_clip_c,
                                      agg=agg, weights=w, horizon=horizon)
 
-    def _rollout_gap(self, batch: RolloutBatch, trainer_log_probs: torch.Tensor,
-                     mask: torch.Tensor) -> dict[str, float]:
+    def _rollout_gap(self, batch: RolloutBatch, trainer_log_probs: torch.Tensor, mask: torch.Tensor, *,
+                     over_ranks: bool) -> dict[str, float]:
         """The rollout engine's log-probs against the trainer's for the weights that generated `batch`: the gap
-        (rollout_kl) and, with spec.algorithm.rolloutCorrection, each token's weight (`rollout_weights`)."""
-        if "rollout_log_probs" not in batch.tensors or old_log_probs_from_rollout(self.spec):
+        (rollout_kl; not with bypass, where they are the same numbers) and, with spec.algorithm.rolloutCorrection,
+        each token's weight (`rollout_weights`, normalised over all ranks where `over_ranks`) and the mask less
+        what rejection sampling drops (`rollout_mask`)."""
+        if "rollout_log_probs" not in batch.tensors:
             return {}
         engine = batch.tensors["rollout_log_probs"].to(trainer_log_probs.device)
         mask = mask.to(trainer_log_probs.device)
-        out = {"rollout_kl": algos.rollout_kl(trainer_log_probs, engine, mask)}
         rc = self.spec.algorithm.rollout_correction
+        out = {} if old_log_probs_from_rollout(self.spec) else {
+            "rollout_kl": algos.rollout_kl(trainer_log_probs, engine, mask)}
         if rc.importance_sampling != "none":
-            batch.tensors["rollout_weights"], metrics = algos.rollout_weights(
+            weights, metrics = algos.rollout_weights(
                 trainer_log_probs, engine, mask, rc.importance_sampling, rc.threshold, rc.lower_threshold)
+            if rc.batch_normalize:
+                total, count = algos.weight_mean_terms(weights, mask, rc.importance_sampling)
+                if over_ranks:  # the ratio of the two averages is the ratio of the two sums
+                    sums = distributed.average_scalars({"total": total, "count": count}, self.device)
+                    total, count = sums["total"], sums["count"]
+                mean = total / count if count else 0.0
+                if mean > 1e-8:
+                    weights = weights / mean
+                metrics["rollout_weight_norm_factor"] = mean if mean > 1e-8 else 1.0
+            batch.tensors["rollout_weights"] = weights
+            out |= metrics
+        if rc.rejection_sampling:
+            batch.tensors["rollout_mask"], metrics = algos.rollout_rejection(
+                trainer_log_probs, engine, mask, [(r.divergence, *r.band()) for r in rc.rejection_sampling])
             out |= metrics
         return out
 
