@@ -385,9 +385,9 @@ def covariance_bounds(draw: st.DrawFn, spec: dict[str, Any]) -> None:
 
 
 def icepop_band(draw: st.DrawFn, spec: dict[str, Any]) -> None:
-    """rolloutCorrection.lowerThreshold below threshold (2 when left out); bypass and batchNormalize only without and
-    with importanceSampling; a rejection rule's lowerThreshold only on k1, at most threshold (1/threshold when left
-    out); one rule per divergence."""
+    """rolloutCorrection.lowerThreshold below threshold (2 when left out); bypass with importanceSampling only with
+    policyLoss gpg; batchNormalize only with importanceSampling; a rejection rule's lowerThreshold only on k1, at
+    most threshold (1/threshold when left out); one rule per divergence."""
     rule = st.fixed_dictionaries(
         {"divergence": st.sampled_from(["token_k1", "seq_mean_k1", "seq_sum_k3", "seq_max_k2"]),
          "threshold": st.sampled_from([0.5, 2.0])}, optional={"lowerThreshold": st.sampled_from([0.25, 1.0, 3.0])})
@@ -396,6 +396,8 @@ def icepop_band(draw: st.DrawFn, spec: dict[str, Any]) -> None:
         optional={"threshold": st.sampled_from([0.5, 2.0, 5.0]), "lowerThreshold": st.sampled_from([0.5, 2.0, 3.0]),
                   "bypass": st.booleans(), "batchNormalize": st.booleans(),
                   "rejectionSampling": st.lists(rule, max_size=3)}))
+    if draw(st.booleans()):
+        _section(spec, "algorithm")["policyLoss"] = "gpg"
 
 
 def dro_beta(draw: st.DrawFn, spec: dict[str, Any]) -> None:

@@ -213,6 +213,18 @@ def rejection(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor,
     return {"mask": kept} | metrics
 
 
+def bypass_reinforce(current: torch.Tensor, engine: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                     level: str, upper: float, rules: list[RejectionRule], agg: str) -> dict[str, Any]:
+    """A pass of the actor with bypass, importance weights and policyLoss gpg: weights and rejection on the
+    log-probs being trained against the engine's (ActorRolloutWorker._rollout_gap), then REINFORCE weighed."""
+    log_probs = current.clone().requires_grad_()
+    weights, _ = rollout_weights(current, engine, mask, level, upper)
+    kept = rejection(current, engine, mask, rules)["mask"] if rules else mask
+    loss, _ = policy_losses.gpg_policy_loss(engine, log_probs, advantages, kept, agg=agg, weights=weights)
+    loss.backward()
+    return {"loss": loss.item(), "grad": log_probs.grad}
+
+
 def normalized(weights: torch.Tensor, mask: torch.Tensor, level: str, normalize: bool) -> torch.Tensor:
     """The weights over their batch mean, as the actor divides them on a single rank."""
     if not normalize:
@@ -223,8 +235,8 @@ def normalized(weights: torch.Tensor, mask: torch.Tensor, level: str, normalize:
 
 def rollout_is_cases(b: dict[str, Any]) -> list[tuple[dict[str, Any], Ours]]:
     """The trainer's and an engine's log-probs a little apart, weighed per token and per sequence, truncated (verl's
-    threshold a number) and IcePop's band (verl's "lower_upper"), each also normalised to mean 1; and rejected by
-    each of REJECTION_RULES."""
+    threshold a number) and IcePop's band (verl's "lower_upper"), each also normalised to mean 1; rejected by each of
+    REJECTION_RULES; and REINFORCE's loss weighed as bypass does it (verl's bypass loss_type reinforce)."""
     g, mask = b["gen"], b["mask"]
     trainer = -3.0 * torch.rand(BATCH, TOKENS, generator=g, dtype=torch.float64)
     engine = trainer + 0.3 * torch.randn(BATCH, TOKENS, generator=g, dtype=torch.float64)
@@ -238,6 +250,15 @@ def rollout_is_cases(b: dict[str, Any]) -> list[tuple[dict[str, Any], Ours]]:
         out.append((request, lambda level=level, upper=upper, lower=lower, normalize=normalize: {
             "weights": normalized(rollout_weights(trainer, engine, mask, level, upper, lower)[0], mask, level,
                                   normalize)}))
+    advantages = torch.randn(BATCH, TOKENS, generator=g, dtype=torch.float64)
+    for (level, upper), rules, agg in itertools.product((("token", 1.3), ("sequence", 2.0)), ([], REJECTION_RULES[-1]),
+                                                        ("token-mean", "seq-mean-token-mean")):
+        request = {"kind": "bypass_reinforce", "log_probs": trainer, "rollout_log_probs": engine, "mask": mask,
+                   "advantages": advantages, "level": level, "threshold": upper, "agg": agg} | ({
+                       "options": ",".join(r.divergence for r in rules),
+                       "thresholds": ",".join(verl_rs_threshold(r) for r in rules)} if rules else {})
+        out.append((request, lambda level=level, upper=upper, rules=rules, agg=agg: bypass_reinforce(
+            trainer, engine, advantages, mask, level, upper, rules, agg)))
     for rules in REJECTION_RULES:
         request = {"kind": "rollout_rs", "trainer_log_probs": trainer, "rollout_log_probs": engine, "mask": mask,
                    "options": ",".join(rule.divergence for rule in rules),
@@ -305,8 +326,8 @@ def compared() -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("kind", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
-                                  "remax", "rollout_is", "rollout_rs", "gspo", "cispo", "gpg", "sapo", "geo_mean",
-                                  "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"])
+                                  "remax", "rollout_is", "rollout_rs", "bypass_reinforce", "gspo", "cispo", "gpg",
+                                  "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"])
 def test_agrees_with_verl(compared: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]], kind: str) -> None:
     checked = 0
     for request, ours, theirs in compared:

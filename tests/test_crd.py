@@ -608,9 +608,9 @@ REJECTED = [
         "rolloutCorrection.lowerThreshold must be below rolloutCorrection.threshold",
     ),
     (
-        "bypass-with-importance-weights",
+        "bypass-weights-on-a-clipped-loss",
         {"algorithm": {"rolloutCorrection": {"importanceSampling": "sequence", "bypass": True}}},
-        "rolloutCorrection.bypass takes the ratio to the engine's own log-probs",
+        "algorithm.rolloutCorrection.importanceSampling with bypass weighs REINFORCE's loss",
     ),
     (
         "normalized-without-weights",

@@ -12,7 +12,7 @@ import torch
 
 from hybridflow import algos
 from hybridflow.api import parse_job
-from hybridflow.api.spec import RejectionRule, RolloutCorrection
+from hybridflow.api.spec import Algorithm, RejectionRule, RolloutCorrection
 from hybridflow.step import StepOutput, step_record
 from hybridflow.trackers import namespaced
 from hybridflow.workers.host import WorkerHost
@@ -171,9 +171,35 @@ def test_batch_normalisation_needs_importance_weights() -> None:
         RolloutCorrection(batch_normalize=True)
 
 
-def test_bypass_and_importance_weights_exclude_each_other() -> None:
-    with pytest.raises(ValueError, match="bypass takes the ratio to the engine's own log-probs"):
-        RolloutCorrection(importance_sampling="token", bypass=True)
+def test_bypass_weighs_only_the_reinforce_loss() -> None:
+    correction = RolloutCorrection(importance_sampling="token", bypass=True)
+    with pytest.raises(ValueError, match="importanceSampling with bypass weighs REINFORCE's loss"):
+        Algorithm(name="grpo", rollout_correction=correction)
+    assert Algorithm(name="grpo", policy_loss="gpg", rollout_correction=correction).rollout_correction.bypass
+
+
+def test_with_bypass_and_gpg_each_pass_weighs_reinforce_by_the_policy_being_trained(example_doc) -> None:
+    """verl's bypass loss_type reinforce: -A log pi x min(pi / pi_rollout, threshold), pi the policy being updated.
+    The engine thought every other token less likely: those weigh more, so the step differs from the unweighted one."""
+    def host_with(correction: dict[str, object]) -> WorkerHost:
+        doc = example_doc("tiny-grpo.yaml")
+        doc["spec"]["data"]["batchSize"] = 4
+        doc["spec"]["algorithm"] |= {"miniBatchSize": 8, "policyLoss": "gpg", "rolloutCorrection": correction}
+        return WorkerHost(parse_job(doc).spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
+
+    r, g = rows(4)
+    plain = host_with({"bypass": True})
+    weighed = host_with({"bypass": True, "importanceSampling": "token", "threshold": 1.2})
+    batch = plain.rollout([x for x in r for _ in range(4)], [i for i in g for _ in range(4)], ["reward", "reference"])
+    batch.tensors["rollout_log_probs"][:, ::2] -= 0.4
+    batch.tensors["advantages"] = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    a = plain.update(dataclasses.replace(batch, tensors=dict(batch.tensors)), 0.001).metrics
+    b = weighed.update(dataclasses.replace(batch, tensors=dict(batch.tensors)), 0.001).metrics
+    assert "rollout_weight_mean" not in a and "rollout_kl" not in b
+    assert b["rollout_weight_mean"] > 1 and 0 < b["rollout_weight_cut_frac"] < 1
+    assert any(not torch.equal(x, y) for x, y in zip(plain.workers["actor_rollout"].model.state_dict().values(),
+                                                     weighed.workers["actor_rollout"].model.state_dict().values(),
+                                                     strict=True))
 
 
 def test_with_bypass_the_batch_carries_the_engines_log_probs_as_the_old_ones(example_doc) -> None:

@@ -104,6 +104,25 @@ def policy_loss(case: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def bypass_reinforce(case: dict[str, Any]) -> dict[str, Any]:
+    """verl's bypass mode with loss_type reinforce: weights and rejection measured on the log-probs being trained
+    against the engine's, then -A log pi weighed."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    correction = RolloutCorrectionConfig(rollout_is=case["level"], rollout_is_threshold=case["threshold"],
+                                         rollout_rs=case.get("options"), rollout_rs_threshold=case.get("thresholds"),
+                                         bypass_mode=True, loss_type="reinforce")
+    config = ActorConfig(strategy="fsdp", ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                         policy_loss=PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=correction))
+    log_prob = t(case["log_probs"]).requires_grad_()
+    loss, _ = core_algos.get_policy_loss_fn("bypass_mode")(
+        t(case["rollout_log_probs"]), log_prob, t(case["advantages"]), t(case["mask"]), loss_agg_mode=case["agg"],
+        config=config)
+    loss.backward()
+    assert log_prob.grad is not None
+    return {"loss": loss.item(), "grad": lists(log_prob.grad)}
+
+
 CLIP_FRACTIONS = {"gspo": "clip_frac", "cispo": "clip_frac", "clip_cov": "cov_frac", "dppo_tv": "clip_frac",
                   "dppo_kl": "clip_frac"}
 """verl's actor/pg_clipfrac: the clipped tokens, for clip_cov those whose loss the covariance rule cut, for DPPO those
@@ -112,7 +131,7 @@ POLICY_LOSSES = ("gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov
 
 
 KINDS = {f.__name__: f for f in (rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk,
-                                 remax, rollout_is, rollout_rs)} | {
+                                 remax, rollout_is, rollout_rs, bypass_reinforce)} | {
     mode: policy_loss for mode in POLICY_LOSSES}
 
 

@@ -134,8 +134,9 @@ class SapoGate(ApiModel):
 
 
 _IS_BOUNDS = "rolloutCorrection.lowerThreshold must be below rolloutCorrection.threshold"
-_BYPASS_WITHOUT_IS = ("rolloutCorrection.bypass takes the ratio to the engine's own log-probs, which covers its gap:"
-                      " importanceSampling must be none with it")
+BYPASS_IS_NEEDS_GPG = ("algorithm.rolloutCorrection.importanceSampling with bypass weighs REINFORCE's loss (verl's"
+                       " bypass loss_type reinforce): it needs policyLoss gpg; a clipped loss takes its ratio to the"
+                       " engine's own log-probs, which covers the gap without weights")
 _NORMALIZE_NEEDS_IS = ("rolloutCorrection.batchNormalize scales importance weights: importanceSampling must be token"
                        " or sequence with it")
 _K1_BOUNDS_ONLY = ("rejectionSampling.lowerThreshold bounds a ratio: only a k1 divergence (token_k1, seq_sum_k1,"
@@ -189,15 +190,14 @@ class RolloutCorrection(ApiModel):
 
     The engine samples from its own numerics (vLLM's kernels, a bf16 copy): pi_rollout differs from the pi_old the
     trainer computes for the same weights, and the gap grows through a run ("When Speed Kills Stability", Yao et
-    al. 2025). Each sampled token's policy loss is weighed by w = pi_old / pi_rollout, truncated. `rollout_kl` in
-    the step record measures the gap whether or not it is corrected."""
+    al. 2025). Each sampled token's policy loss is weighed by w = pi_old / pi_rollout, truncated (with bypass,
+    pi / pi_rollout of the policy being updated). `rollout_kl` in the step record measures the gap whether or not it
+    is corrected."""
 
     model_config = ApiModel.model_config | ConfigDict(
         json_schema_extra=_rules(
             _cel("!has(self.lowerThreshold) || self.lowerThreshold < (has(self.threshold) ? self.threshold : 2.0)",
                  _IS_BOUNDS, ".lowerThreshold"),
-            _cel("!has(self.bypass) || !self.bypass || !has(self.importanceSampling)"
-                 " || self.importanceSampling == 'none'", _BYPASS_WITHOUT_IS, ".importanceSampling"),
             _cel("!has(self.batchNormalize) || !self.batchNormalize || (has(self.importanceSampling)"
                  " && self.importanceSampling != 'none')", _NORMALIZE_NEEDS_IS, ".batchNormalize"),
         )
@@ -211,9 +211,11 @@ class RolloutCorrection(ApiModel):
     lower_threshold: float | None = Field(None, gt=0.0)
     """With it, a weight outside [lowerThreshold, threshold] becomes 0 instead (IcePop; verl's "lower_upper")."""
     bypass: bool = False
-    """The engine's own log-probs stand in for pi_old (verl's bypass_mode, with its ppo_clip loss): no pass of old
-    log-probs runs (one forward over each batch saved; a sharded actor generating in vLLM keeps no full copy of the
-    policy), and PPO's ratio and clip are taken to the policy that sampled, numerics and all."""
+    """The engine's own log-probs stand in for pi_old (verl's bypass_mode): no pass of old log-probs runs (one
+    forward over each batch saved; a sharded actor generating in vLLM keeps no full copy of the policy), and PPO's
+    ratio and clip are taken to the policy that sampled, numerics and all (verl's loss_type ppo_clip). With
+    importanceSampling and policyLoss gpg, REINFORCE's loss -A log pi is weighed at each pass by pi / pi_rollout of
+    the policy being updated, truncated (verl's loss_type reinforce)."""
     batch_normalize: bool = False
     """Divide the weights by their mean, after the bounds, so that they average 1: over the step's valid tokens
     (`token`) or responses (`sequence`) on all the actor's ranks, or over each pass where the update scores the old
@@ -236,8 +238,6 @@ class RolloutCorrection(ApiModel):
     def _bounds_in_order(self) -> RolloutCorrection:
         if self.lower_threshold is not None and not self.lower_threshold < self.threshold:
             raise ValueError(_IS_BOUNDS)
-        if self.bypass and self.importance_sampling != "none":
-            raise ValueError(_BYPASS_WITHOUT_IS)
         if self.batch_normalize and self.importance_sampling == "none":
             raise ValueError(_NORMALIZE_NEEDS_IS)
         return self
@@ -254,7 +254,12 @@ class Algorithm(ApiModel):
     model_config = ApiModel.model_config | ConfigDict(
         json_schema_extra=_rules(
             _cel("!has(self.policyLoss) || self.policyLoss != 'dro' || has(self.droBeta)",
-                 DRO_NEEDS_BETA, ".droBeta")
+                 DRO_NEEDS_BETA, ".droBeta"),
+            _cel("!has(self.rolloutCorrection) || !has(self.rolloutCorrection.bypass) || !self.rolloutCorrection.bypass"
+                 " || !has(self.rolloutCorrection.importanceSampling)"
+                 " || self.rolloutCorrection.importanceSampling == 'none'"
+                 " || (has(self.policyLoss) && self.policyLoss == 'gpg')", BYPASS_IS_NEEDS_GPG,
+                 ".rolloutCorrection.importanceSampling"),
         )
     )
 
@@ -323,6 +328,9 @@ class Algorithm(ApiModel):
     def _dro_has_beta(self) -> Algorithm:
         if self.policy_loss == "dro" and self.dro_beta is None:
             raise ValueError(DRO_NEEDS_BETA)
+        rc = self.rollout_correction
+        if rc.bypass and rc.importance_sampling != "none" and self.policy_loss != "gpg":
+            raise ValueError(BYPASS_IS_NEEDS_GPG)
         return self
 
 

@@ -304,10 +304,10 @@ class ActorRolloutWorker:
 
     def _rollout_gap(self, batch: RolloutBatch, trainer_log_probs: torch.Tensor, mask: torch.Tensor, *,
                      over_ranks: bool) -> dict[str, float]:
-        """The rollout engine's log-probs against the trainer's for the weights that generated `batch`: the gap
-        (rollout_kl; not with bypass, where they are the same numbers) and, with spec.algorithm.rolloutCorrection,
-        each token's weight (`rollout_weights`, normalised over all ranks where `over_ranks`) and the mask less
-        what rejection sampling drops (`rollout_mask`)."""
+        """The rollout engine's log-probs against the trainer's `trainer_log_probs` (those of the weights that
+        generated `batch`; with bypass, of the policy being updated): the gap (rollout_kl; not with bypass) and, with
+        spec.algorithm.rolloutCorrection, each token's weight (`rollout_weights`, normalised over all ranks where
+        `over_ranks`) and the mask less what rejection sampling drops (`rollout_mask`)."""
         if "rollout_log_probs" not in batch.tensors:
             return {}
         engine = batch.tensors["rollout_log_probs"].to(trainer_log_probs.device)
