@@ -386,13 +386,13 @@ GPU; a CPU only runs its code)."""
 def fused_job(workload: str, consistency: str, device: torch.device, steps: int) -> Any:
     """A runtime-benchmark workload (benchmarks.runtime.WORKLOADS) with its built-in graph written out and the
     policy's control edge at `consistency`."""
-    from benchmarks.offpolicy import with_consistency
+    from benchmarks.offpolicy import with_setting
     from benchmarks.runtime import WORKLOADS, bench_job
     from hybridflow.graph import builtin_graph
 
     job = bench_job(steps, f"gpu-check-{workload}-{consistency}", WORKLOADS[workload])
     job.spec.graph = builtin_graph(job.spec, "GPU" if device.type == "cuda" else "CPU").to_spec()
-    return with_consistency(job, consistency)
+    return with_setting(job, consistency)
 
 
 def fused_run(job: Any, device: torch.device) -> dict[str, Any]:

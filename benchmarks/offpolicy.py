@@ -1,12 +1,14 @@
-"""One-step off-policy pipelining against strong consistency, side by side on a local cluster of several raylets.
+"""One-step off-policy pipelining, and the rollout engine's log-probs as the old ones, against the step as shipped,
+side by side on a local cluster of several raylets.
 
 Each workload of the runtime benchmark (the tiny GRPO job as shipped, and the wide one) trains with its
 policy's control edge `strong` (every rollout waits for the last update) and `eventual` (the next step's
-rollout generates during the update, on a copy of the policy one update behind). Each run starts its own
+rollout generates during the update, on a copy of the policy one update behind), and `bypass`: strong with
+rolloutCorrection.bypass, where no pass scores the old log-probs (the engine's stand in). Each run starts its own
 ray.cluster_utils.Cluster: a head raylet with one CPU for the controller and two worker raylets with every
 core each, where the actor's bundle (actor, reference and reward in one process, all the cores) lands.
-Strong runs with every core per process, its best (benchmarks/README.md); eventual also with one thread,
-as its two threads (update and generation) then each hold one core; the faster is reported.
+Strong and bypass run with every core per process, their best (benchmarks/README.md); eventual also with one
+thread, as its two threads (update and generation) then each hold one core; the faster is reported.
 
     python -m benchmarks.offpolicy                     # ~5 minutes on 2 cores: results/offpolicy.json, .png,
                                                        # and its section of benchmarks/README.md
@@ -42,29 +44,32 @@ from benchmarks.runtime import (
 )
 from hybridflow.metrics import pyplot
 
-FORMAT = 1
+FORMAT = 2
 BEGIN, END = "<!-- offpolicy-bench:begin -->", "<!-- offpolicy-bench:end -->"
-CONSISTENCIES = ("strong", "eventual")
+SETTINGS = ("strong", "eventual", "bypass")
 STEPS = {"tiny": 40, "wide": 16}
 """Steps per run: enough after warm-up for a steady median (a wide step takes about a second)."""
-TIMINGS = ("timing/rollout", "timing/generate", "timing/update", "timing/sync", "timing/pipeline_wait")
+TIMINGS = ("timing/rollout", "timing/generate", "timing/old_log_probs", "timing/update", "timing/sync",
+           "timing/pipeline_wait")
 
 
-def thread_choices(consistency: str) -> list[int]:
+def thread_choices(setting: str) -> list[int]:
     cores = torch_threads()
-    return [cores] if consistency == "strong" else sorted({1, cores})
+    return sorted({1, cores}) if setting == "eventual" else [cores]
 
 
-def with_consistency(job: Any, consistency: str) -> Any:
-    """The job's graph (spec.graph, which must be written out) with its control edges at `consistency`."""
+def with_setting(job: Any, setting: str) -> Any:
+    """The job's graph (spec.graph, which must be written out) with its control edges eventual for `eventual`,
+    strong otherwise; rolloutCorrection.bypass for `bypass`."""
     assert job.spec.graph is not None
     for edge in job.spec.graph.edges:
         if edge.control:
-            edge.consistency = consistency
+            edge.consistency = "eventual" if setting == "eventual" else "strong"
+    job.spec.algorithm.rollout_correction.bypass = setting == "bypass"
     return job
 
 
-def run_one(consistency: str, workload: Workload, steps: int, threads: int, metrics: Path) -> dict[str, Any]:
+def run_one(setting: str, workload: Workload, steps: int, threads: int, metrics: Path) -> dict[str, Any]:
     """One run in a fresh multi-raylet cluster; the step records, with `tokens` per step."""
     import ray
     from ray.cluster_utils import Cluster
@@ -79,8 +84,7 @@ def run_one(consistency: str, workload: Workload, steps: int, threads: int, metr
     try:
         ray.init(address=cluster.address, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
-        job = with_consistency(with_layout(bench_job(steps, f"offpolicy-{consistency}", workload), 1, threads),
-                               consistency)
+        job = with_setting(with_layout(bench_job(steps, f"offpolicy-{setting}", workload), 1, threads), setting)
         t0 = time.perf_counter()
         run_training(job, str(metrics))
         wall = time.perf_counter() - t0
@@ -90,16 +94,16 @@ def run_one(consistency: str, workload: Workload, steps: int, threads: int, metr
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     for r in records:
         r["tokens"] = r["tokens_per_s"] * r["timing/step"]
-    return {"consistency": consistency, "threads": threads, "records": records, "wall_s": wall}
+    return {"setting": setting, "threads": threads, "records": records, "wall_s": wall}
 
 
-def launch(consistency: str, workload: Workload, steps: int, threads: int, workdir: Path, timeout_s: float,
+def launch(setting: str, workload: Workload, steps: int, threads: int, workdir: Path, timeout_s: float,
            tag: str = "") -> dict[str, Any]:
     """run_one in a child process (each run's cluster starts and ends with it); one retry, as Ray's start-up
     can time out on a loaded machine."""
-    name = f"{workload.name}-{consistency}{tag}-t{threads}"
+    name = f"{workload.name}-{setting}{tag}-t{threads}"
     result, log = workdir / f"{name}.json", workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "benchmarks.offpolicy", "--worker", consistency, "--workload", workload.name,
+    cmd = [sys.executable, "-m", "benchmarks.offpolicy", "--worker", setting, "--workload", workload.name,
            "--steps", str(steps), "--threads", str(threads), "--result", str(result)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "runtime"), str(ROOT),
                                                                     os.environ.get("PYTHONPATH")])))
@@ -121,7 +125,7 @@ def launch(consistency: str, workload: Workload, steps: int, threads: int, workd
 
 
 def summary(raws: list[dict[str, Any]]) -> dict[str, Any]:
-    """The fastest run (lowest median step after warm-up) of one consistency, with where its step goes."""
+    """The fastest run (lowest median step after warm-up) of one setting, with where its step goes."""
     measured = [raw["records"][WARMUP:] for raw in raws]
     runs = [_figures(m) | {"threads": raw["threads"], "wall_s": round(raw["wall_s"], 1)}
             for raw, m in zip(raws, measured, strict=True)]
@@ -143,18 +147,19 @@ def bench(workloads: list[Workload], rounds: int, workdir: Path, timeout_s: floa
     for workload in workloads:
         ensure_tiny_model(**workload.model)
         steps = STEPS[workload.name]
-        raws: dict[str, list[dict[str, Any]]] = {c: [] for c in CONSISTENCIES}
-        for r, consistency, threads in interleaved(rounds, CONSISTENCIES, thread_choices):
-            print(f"[bench] {workload.name}, round {r}/{rounds}: {consistency}, {threads} thread(s), {steps} steps ...",
+        raws: dict[str, list[dict[str, Any]]] = {c: [] for c in SETTINGS}
+        for r, setting, threads in interleaved(rounds, SETTINGS, thread_choices):
+            print(f"[bench] {workload.name}, round {r}/{rounds}: {setting}, {threads} thread(s), {steps} steps ...",
                   flush=True)
-            raws[consistency].append(launch(consistency, workload, steps, threads, workdir, timeout_s, f"-{r}"))
-            s = _figures(raws[consistency][-1]["records"][WARMUP:])
+            raws[setting].append(launch(setting, workload, steps, threads, workdir, timeout_s, f"-{r}"))
+            s = _figures(raws[setting][-1]["records"][WARMUP:])
             print(f"[bench]   {s['tokens_per_s']:.0f} tokens/s, median step {s['median_step_s']:.3f} s", flush=True)
-        sums = {c: summary(raws[c]) for c in CONSISTENCIES}
+        sums = {c: summary(raws[c]) for c in SETTINGS}
         report["workloads"][workload.name] = {
             "title": workload.title, "steps": steps, "warmup": WARMUP, **sums,
             "gain": sums["eventual"]["tokens_per_s"] / sums["strong"]["tokens_per_s"],
             "gain_by_step_time": sums["strong"]["median_step_s"] / sums["eventual"]["median_step_s"],
+            "bypass_gain_by_step_time": sums["strong"]["median_step_s"] / sums["bypass"]["median_step_s"],
         }
     report["bench_wall_s"] = round(time.perf_counter() - t0, 1)
     return report
@@ -164,25 +169,26 @@ def _every_run(report: dict[str, Any]) -> str:
     """Each run's median step, so that the spread between runs of one setting is seen beside the gain."""
     return "; ".join(
         f"{name} {c} " + ", ".join(f"{r['median_step_s']:.3f} s ({r['threads']})" for r in w[c]["runs"])
-        for name, w in report["workloads"].items() for c in CONSISTENCIES)
+        for name, w in report["workloads"].items() for c in SETTINGS)
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = [BEGIN, "### One-step off-policy pipelining (`consistency: eventual`)", "",
+    lines = [BEGIN, "### One-step off-policy pipelining (`consistency: eventual`) and `rolloutCorrection.bypass`", "",
              f"Generated by `make bench-offpolicy` (benchmarks/offpolicy.py) on {report['machine']['cores']} cores, "
              f"on a local Ray cluster of three raylets ({report['raylets']}), each run in a cluster of its own, "
              f"{report['rounds']} round(s) per setting; the fastest run (lowest median step after "
              f"{WARMUP} warm-up steps) of each is shown. The same job and threads choice rules as the runtime "
-             "benchmark; only the control edge's consistency differs.", "",
-             "| workload | consistency | threads | tokens/s | median step | rollout | update | sync (wait) | "
-             "policy lags | reward at end |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "benchmark; only the control edge's consistency, or rolloutCorrection.bypass, differs.", "",
+             "| workload | setting | threads | tokens/s | median step | rollout | old log-probs | update | "
+             "sync (wait) | policy lags | reward at end |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, w in report["workloads"].items():
-        for c in CONSISTENCIES:
+        for c in SETTINGS:
             s, t = w[c], w[c]["median_timings_s"]
             lines.append(f"| {name} | {c} | {s['threads']} | {s['tokens_per_s']:.0f} | {s['median_step_s']:.3f} s | "
-                         f"{_fmt(t['timing/rollout'], '.3f')} s | {_fmt(t['timing/update'], '.3f')} s | "
-                         f"{_fmt(t['timing/sync'], '.3f')} s ({_fmt(t['timing/pipeline_wait'], '.3f')} s) | "
+                         f"{_seconds(t['timing/rollout'])} | {_seconds(t['timing/old_log_probs'])} | "
+                         f"{_seconds(t['timing/update'])} | "
+                         f"{_seconds(t['timing/sync'])} ({_seconds(t['timing/pipeline_wait'])}) | "
                          f"{', '.join(map(str, s['policy_lags']))} | {s['reward_end']:.2f} |")
     lines.append("")
     gains = ", ".join(f"{name} {w['gain']:.2f}x ({w['gain_by_step_time']:.2f}x by median step time)"
@@ -201,22 +207,40 @@ def render(report: dict[str, Any]) -> str:
               "process during the update, so a step is the update's wall time plus the sync. Both threads share "
               f"the same cores, and a strong step already keeps them busy ({side}). The pipeline gains only what "
               "a strong step leaves idle, as where training and generation hold devices of their own; on "
-              "shared CPU cores it costs more than it saves.", "",
+              "shared CPU cores it costs more than it saves.", "", _bypass_text(report), "",
               "![off-policy](results/offpolicy.png)", END]
     return "\n".join(lines)
+
+
+def _seconds(v: float | None) -> str:
+    """A median time, or "none" where no step ran that phase."""
+    return "none" if v is None else f"{v:.3f} s"
+
+
+def _bypass_text(report: dict[str, Any]) -> str:
+    parts = []
+    for name, w in report["workloads"].items():
+        saved = w["strong"]["median_timings_s"]["timing/old_log_probs"]
+        parts.append(f"{name} {w['bypass_gain_by_step_time']:.2f}x by median step time, "
+                     + (f"the {saved:.3f} s pass of old log-probs gone" if saved is not None else
+                        "with no pass to save: one minibatch a step, whose own forward gives the old log-probs"))
+    return ("Bypass (strong / bypass median step): " + "; ".join(parts) + ". It saves a forward pass over the batch "
+            "where one runs (several minibatches or PPO epochs a step), and only there.")
 
 
 def plot(report: dict[str, Any], out: Path) -> Path:
     plt = pyplot()
 
     names = list(report["workloads"])
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    series = {c: [report["workloads"][n][c]["tokens_per_s"] for n in names] for c in CONSISTENCIES}
-    for bars in grouped_bars(ax, series, 0.38):
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    series = {c: [report["workloads"][n][c]["tokens_per_s"] for n in names] for c in SETTINGS}
+    for bars in grouped_bars(ax, series, 0.26):
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.set_xticks(range(len(names)), [f"{n}\n{report['workloads'][n]['gain']:.2f}x" for n in names])
+    ax.set_xticks(range(len(names)), [
+        f"{n}\neventual {w['gain']:.2f}x (tokens/s)\nbypass {w['bypass_gain_by_step_time']:.2f}x (step time)"
+        for n, w in ((n, report["workloads"][n]) for n in names)])
     ax.set_ylabel("tokens/s")
-    ax.set_title("strong vs eventual consistency (one-step off-policy)")
+    ax.set_title("strong vs eventual consistency, and bypass")
     ax.legend()
     return save_figure(fig, out, dpi=110)
 
@@ -238,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
     p.add_argument("--render", action="store_true", help="only redraw the plot and README section from the JSON")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
-    p.add_argument("--worker", choices=CONSISTENCIES, help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=SETTINGS, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
