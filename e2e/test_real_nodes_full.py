@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,13 @@ def _operator_pod(cluster: RealNodeCluster) -> str:
     return running[0]
 
 
+def _since(stamp: str | None, t: float) -> str:
+    """A Kubernetes timestamp as whole seconds after `t` (wall time), or '?' without one."""
+    if not stamp:
+        return "?"
+    return f"{datetime.fromisoformat(stamp.replace('Z', '+00:00')).timestamp() - t:.0f}"
+
+
 def test_tiny_ppo_on_the_runtime_image_through_faults(full_cluster_real: RealNodeCluster) -> None:
     """The example as written (the runtime image, the operator from its image, checkpoints on the claim) trains
     to the end while an oversize job arrives, the operator pod is killed, then a critic worker pod is deleted."""
@@ -110,11 +118,11 @@ def _faults(cluster: RealNodeCluster, run: JobRun) -> None:
     critic_selector = f"ray.io/group=critic,hybridflow.io/job={run.name}"  # not too-big's critic group
     pods = cluster.get_json("pods", "-n", run.namespace, "-l", critic_selector)["items"]
     victim = next(p["metadata"]["name"] for p in pods if p["status"].get("phase") == "Running")
-    deleted_at = time.monotonic()
-    deleted_stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))
+    deleted_at, deleted_wall = time.monotonic(), time.time()
+    deleted_stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(deleted_wall - 1))
     cluster.kubectl("delete", "pod", victim, "-n", run.namespace, "--grace-period=0", "--force")
     recovered_s = run.seconds_until_step_after_rollback(deleted_at)
-    print(f"\nworker pod {victim} deleted after step {step}: rolled back, next completed step {recovered_s:.1f}s later")
+    rolled_back_s = next(t for t in run.rollbacks if t > deleted_at) - deleted_at
     # KubeRay replaced the worker: a critic pod made after the deletion runs, the deleted one is gone.
     def critic_pods() -> list[dict[str, Any]]:
         return cluster.get_json("pods", "-n", run.namespace, "-l", critic_selector)["items"]
@@ -126,6 +134,12 @@ def _faults(cluster: RealNodeCluster, run: JobRun) -> None:
         return fresh[0] if fresh and victim not in {p["metadata"]["name"] for p in pods} else None
 
     replaced_by = eventually(replacement, 120, f"a running critic pod in place of {victim}")
+    pod = cluster.get_json("pod", replaced_by, "-n", run.namespace)
+    ready = condition(pod, "Ready") or {}
+    print(f"\nworker pod {victim} deleted after step {step}: next completed step {recovered_s:.1f}s later; where the "
+          f"time went: metrics rolled back at +{rolled_back_s:.1f}s, replacement {replaced_by} created at "
+          f"+{_since(pod['metadata']['creationTimestamp'], deleted_wall)}s and ready at "
+          f"+{_since(ready.get('lastTransitionTime'), deleted_wall)}s (whole seconds)")
     # While the first job runs, the oversize one waits with a condition that says why; its workers never ran.
     waiting = cluster.get_json("rltrainingjob", "too-big", "-n", run.namespace)
     unschedulable = [c for c in waiting["status"].get("conditions", []) if c.get("reason") == "Unschedulable"]
