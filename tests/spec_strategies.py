@@ -329,6 +329,19 @@ def group_samples(draw: st.DrawFn, spec: dict[str, Any]) -> None:
         rollout.pop("samplesPerPrompt", None)
 
 
+def gdpo_components(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    """name gdpo needs algorithm.gdpo, one weight per key when weights are given, and a reward function."""
+    algorithm = _section(spec, "algorithm")
+    algorithm["name"] = "gdpo"
+    keys = draw(st.lists(st.sampled_from(["score", "format", "acc"]), min_size=1, max_size=3, unique=True))
+    if draw(st.booleans()):
+        algorithm["gdpo"] = {"rewardKeys": keys} | (
+            {"rewardWeights": draw(st.lists(st.sampled_from([0.5, 1.0]), min_size=1, max_size=3))}
+            if draw(st.booleans()) else {})
+    if draw(st.booleans()):
+        spec["reward"] = {"type": "model", "model": {"path": "/models/rm"}}
+
+
 def mini_batch(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     """algorithm.miniBatchSize <= data.batchSize * rollout.samplesPerPrompt, at the edge."""
     batch, samples = draw(st.integers(1, 8)), draw(st.integers(1, 8))
@@ -506,8 +519,8 @@ def job_name(draw: st.DrawFn, doc: dict[str, Any]) -> None:
 
 
 RULES: list[Callable[[st.DrawFn, dict[str, Any]], None]] = [
-    group_samples, mini_batch, reward_model, rollout_engine, evaluation, lr_schedule, critic_warmup, covariance_bounds,
-    dro_beta, icepop_band, export_adapters, replicas, graph, pod_settings,
+    group_samples, gdpo_components, mini_batch, reward_model, rollout_engine, evaluation, lr_schedule, critic_warmup,
+    covariance_bounds, dro_beta, icepop_band, export_adapters, replicas, graph, pod_settings,
 ]
 
 

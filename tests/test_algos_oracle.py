@@ -11,6 +11,8 @@ by n, a relative difference of 1e-8 / n (measured at most 2.7e-10 on these input
 mean, agrees to 2e-16). GSPO under seq-mean-token-mean divides each sequence's sum by (|y| + 1e-8), up to
 1e-8 relative per sequence (|y| = 1), so there the bound is 2e-8 * (1 + |verl|) (absolute as well: a loss
 summing terms of both signs can be much smaller than its terms, which are of order 1 here; measured 3e-9).
+verl computes GDPO and the share of rejected responses in float32 whatever its inputs: those agree to float32
+(TOL_GDPO, IN_FLOAT32).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from hybridflow import policy_losses
 from hybridflow.algos import (
     AGG_MODES,
+    compute_gdpo_advantages,
     compute_grpo_passk_advantages,
     compute_opo_advantages,
     compute_reinforce_plus_plus_advantages,
@@ -50,6 +53,9 @@ RTOL, ATOL = 1e-8, 1e-9
 TOL_SEQ_MEAN_TOKEN_MEAN = 5e-8
 """verl divides each sequence's sum by its length + 1e-8: a relative 1e-8 on every sequence's loss, which SAPO's
 gate (4 / tau, times advantages up to ~3) makes a few 1e-8 of the aggregate."""
+GDPO_WEIGHTS = [1.0, 0.5, 2.0]
+TOL_GDPO = 2e-6
+"""verl's GDPO casts the components to float32 and computes in it (measured up to 2.0e-7 apart)."""
 IN_FLOAT32 = {"rollout_rejected_seq_frac"}
 """Results verl rounds to float32 whatever its inputs (the share of rejected responses: `seq_has_masked.float()`)."""
 BATCH, TOKENS = 18, 7
@@ -154,6 +160,15 @@ def make_cases() -> list[tuple[dict[str, Any], Ours]]:
                 lambda seq=seq[pairs], kept=kept, mask=mask[pairs], normalize=normalize: {
                     "advantages": compute_grpo_passk_advantages(seq, kept, normalize_std=normalize).unsqueeze(-1)
                     * mask},
+            ))
+        components = torch.stack([scores[pairs].double(), torch.rand(int(pairs.sum()), generator=b["gen"]).double(),
+                                  torch.randn(int(pairs.sum()), generator=b["gen"]).double()])
+        for normalize in (True, False):  # a lone sample left out: verl gives it its score, hybridflow 0 (GRPO)
+            cases.append((
+                {"kind": "gdpo", "components": components, "weights": GDPO_WEIGHTS, "mask": mask[pairs],
+                 "index": kept, "normalize": normalize},
+                lambda components=components, kept=kept, mask=mask[pairs], normalize=normalize: {
+                    "advantages": compute_gdpo_advantages(components, GDPO_WEIGHTS, kept, mask, normalize)},
             ))
         rewards, holed = dense_rewards(b)
         greedy = torch.where(torch.rand(BATCH, generator=b["gen"]) < 0.5, 1.0, 0.0).double()
@@ -326,8 +341,8 @@ def compared() -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("kind", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
-                                  "remax", "rollout_is", "rollout_rs", "bypass_reinforce", "gspo", "cispo", "gpg",
-                                  "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"])
+                                  "remax", "gdpo", "rollout_is", "rollout_rs", "bypass_reinforce", "gspo", "cispo",
+                                  "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"])
 def test_agrees_with_verl(compared: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]], kind: str) -> None:
     checked = 0
     for request, ours, theirs in compared:
@@ -339,6 +354,8 @@ def test_agrees_with_verl(compared: list[tuple[dict[str, Any], dict[str, Any], d
             rtol, atol = (TOL_SEQ_MEAN_TOKEN_MEAN,) * 2 if loose else (RTOL, ATOL)
             if key in IN_FLOAT32:
                 rtol, atol = 2.0 ** -23, 0.0
+            if request["kind"] == "gdpo":
+                rtol, atol = TOL_GDPO, TOL_GDPO
             torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=torch.float64), rtol=rtol, atol=atol,
                                        msg=lambda m, key=key, req=request: f"{kind} {key} "
                                        f"(agg={req.get('agg')}, gamma={req.get('gamma')}): {m}")

@@ -58,7 +58,8 @@ def test_cross_field_rules(example_doc) -> None:
     doc["spec"]["rollout"]["samplesPerPrompt"] = 1
     with pytest.raises(SpecError, match="samplesPerPrompt must be at least 2 for grpo"):
         parse_job(doc)
-    for name in ("rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk"):
+    doc["spec"]["algorithm"]["gdpo"] = {"rewardKeys": ["score"]}
+    for name in ("rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gdpo"):
         doc["spec"]["algorithm"]["name"] = name
         with pytest.raises(SpecError, match=f"samplesPerPrompt must be at least 2 for {name} \\(its baseline"):
             parse_job(doc)

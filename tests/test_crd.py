@@ -101,7 +101,8 @@ def test_optional_fields_are_nullable_and_enums_come_from_literals(schema: dict[
     dual = at(schema, ".spec.algorithm.dualClipC")
     assert dual["nullable"] is True and dual["default"] == 3.0
     assert at(schema, ".spec.algorithm.name")["enum"] == [
-        "ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "remax"]
+        "ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "remax",
+        "gdpo"]
     assert at(schema, ".spec.algorithm.policyLoss")["enum"] == ["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean",
                                                                   "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"]
     assert at(schema, ".spec.rollout.engine")["enum"] == ["torch", "vllm"]
@@ -611,6 +612,22 @@ REJECTED = [
         "bypass-weights-on-a-clipped-loss",
         {"algorithm": {"rolloutCorrection": {"importanceSampling": "sequence", "bypass": True}}},
         "algorithm.rolloutCorrection.importanceSampling with bypass weighs REINFORCE's loss",
+    ),
+    (
+        "gdpo-without-keys",
+        {"algorithm": {"name": "gdpo"}},
+        "algorithm.gdpo.rewardKeys (the reward components to normalise) is required with name gdpo",
+    ),
+    (
+        "gdpo-weights-not-one-per-key",
+        {"algorithm": {"name": "gdpo", "gdpo": {"rewardKeys": ["score", "format"], "rewardWeights": [1.0]}}},
+        "algorithm.gdpo.rewardWeights must have one weight per rewardKeys entry",
+    ),
+    (
+        "gdpo-with-a-reward-model",
+        {"algorithm": {"name": "gdpo", "gdpo": {"rewardKeys": ["score"]}},
+         "reward": {"type": "model", "model": {"path": "/models/rm"}}},
+        "algorithm.name gdpo normalises the components a reward function returns",
     ),
     (
         "normalized-without-weights",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from hybridflow import algos
 from hybridflow.api.spec import RLTrainingJobSpec
-from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch
 
 
 def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: float) -> dict[str, float]:
@@ -14,7 +16,8 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
     ppo: GAE on the critic's values; grpo, rloo, reinforce_plus_plus_baseline, opo, grpo_passk: one advantage
     per sequence from its group (the sum of its token rewards against the other samples of its prompt), on every
     valid token; reinforce_plus_plus: discounted per-token returns, whitened over the batch; remax: the returns
-    less the reward of the prompt's greedy response (`reward_baselines`, scored by the reward step).
+    less the reward of the prompt's greedy response (`reward_baselines`, scored by the reward step); gdpo: the
+    reward function's components (algorithm.gdpo.rewardKeys) group-normalised one by one, summed and whitened.
     """
     algo = spec.algorithm
     mask = batch.response_mask.float()
@@ -49,6 +52,10 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
     elif algo.name == "grpo_passk":
         adv = algos.compute_grpo_passk_advantages(seq, batch.group_ids, normalize_std=algo.normalize_advantages)
         adv = adv.unsqueeze(-1) * mask
+    elif algo.name == "gdpo":
+        assert algo.gdpo is not None  # the spec requires it
+        adv = algos.compute_gdpo_advantages(reward_components(batch, algo.gdpo.reward_keys), algo.gdpo.weights(),
+                                            batch.group_ids, mask, normalize_std=algo.normalize_advantages)
     elif algo.name == "remax":
         baselines = batch.tensors["reward_baselines"]
         adv, _ = algos.compute_remax_advantages(token_rewards, baselines, mask)
@@ -61,10 +68,27 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
     return out
 
 
+def reward_components(batch: RolloutBatch, keys: list[str]) -> torch.Tensor:
+    """The reward function's numbers under `keys`, [K, B] ("score": the score); a key it did not return on every
+    row is a ValueError naming algorithm.gdpo.rewardKeys."""
+    rows = []
+    for key in keys:
+        name = "scores" if key == "score" else EXTRA_PREFIX + key
+        values = batch.tensors.get(name, torch.full((len(batch),), torch.nan))
+        missing = int(values.isnan().sum())
+        if missing:
+            raise ValueError(f"algorithm.gdpo.rewardKeys: the reward function returned no number under {key!r} for "
+                             f"{missing} of {len(batch)} responses; it must return each key, as "
+                             f"{{'score': ..., {key!r}: ...}}, for every response")
+        rows.append(values)
+    return torch.stack(rows)
+
+
 def batch_stats(batch: RolloutBatch) -> dict[str, float]:
     """What a step record needs from a scored batch, so the batch itself need not travel."""
     scores = batch.tensors["scores"]
     lengths = batch.response_mask.float().sum(-1)
     return {"reward_mean": float(scores.mean()), "reward_max": float(scores.max()),
             "tokens": float(lengths.sum()), "response_length": float(lengths.mean()),
-            "policy_version": float(batch.policy_version), "size": float(len(batch))}
+            "policy_version": float(batch.policy_version), "size": float(len(batch))} | {
+        k: float(v.nanmean()) for k, v in batch.tensors.items() if k.startswith(EXTRA_PREFIX)}

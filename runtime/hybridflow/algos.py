@@ -254,6 +254,18 @@ def compute_grpo_advantages(
 
 
 @torch.no_grad()
+def compute_gdpo_advantages(components: torch.Tensor, weights: Sequence[float], group_ids: Sequence[Hashable],
+                            mask: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """GDPO: each reward component group-normalised on its own, summed with its weight, then whitened over the
+    batch's valid tokens, [K, B] -> [B, T]:
+
+        A = whiten( sum_k w_k * grpo(r_k) )      (grpo: compute_grpo_advantages, per sequence, on each token)
+    """
+    summed = sum((w * compute_grpo_advantages(c, group_ids, eps, normalize_std)
+                  for w, c in zip(weights, components, strict=True)), torch.zeros(components.shape[1]))
+    return masked_whiten(summed.unsqueeze(-1) * mask, mask) * mask
+
+
 def compute_rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence[Hashable]) -> torch.Tensor:
     """REINFORCE Leave-One-Out advantages, one per sequence: [B] -> [B].
 

@@ -17,7 +17,7 @@ import torch
 from hybridflow.advantages import batch_stats, compute_advantages
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.plan import Phase
-from hybridflow.workers.batch import RolloutBatch
+from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,7 @@ def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> d
         **{f"timing/{k}": v for k, v in out.seconds.items()},
         **({"weight_sync_bytes": out.sync.bytes, "timing/pipeline_wait": out.sync.waited} if out.sync else {}),
         **{k: v for k, v in adv.items() if k != "kl"},
+        **{k: v for k, v in stats.items() if k.startswith(EXTRA_PREFIX)},
         **{k: upd[k] for k in FOOTPRINT_KEYS if k in upd},
     }
     return {k: v for k, v in record.items() if v is not None}

@@ -104,6 +104,19 @@ def policy_loss(case: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def gdpo(case: dict[str, Any]) -> dict[str, Any]:
+    """verl's GDPO on per-response components, handed over as its reward manager does (non_tensor_batch)."""
+    mask = t(case["mask"])
+    batch = {"prompts": torch.zeros(mask.shape[0], 1),
+             "attention_mask": torch.cat([torch.ones(mask.shape[0], 1), mask], -1).long()}
+    components = {f"c{k}": np.asarray(c) for k, c in enumerate(case["components"])}
+    config = AlgoConfig(gdpo_reward_keys=list(components), gdpo_reward_weights=case["weights"])
+    adv, _ = core_algos.compute_gdpo_outcome_advantage(
+        torch.zeros_like(mask), mask, np.array(case["index"]), norm_adv_by_std_in_grpo=case["normalize"],
+        config=config, non_tensor_batch=components, batch=batch)
+    return {"advantages": lists(adv)}
+
+
 def bypass_reinforce(case: dict[str, Any]) -> dict[str, Any]:
     """verl's bypass mode with loss_type reinforce: weights and rejection measured on the log-probs being trained
     against the engine's, then -A log pi weighed."""
@@ -131,7 +144,8 @@ POLICY_LOSSES = ("gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov
 
 
 KINDS = {f.__name__: f for f in (rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk,
-                                 remax, rollout_is, rollout_rs, bypass_reinforce)} | {
+                                 remax, rollout_is, rollout_rs, bypass_reinforce,
+                                 gdpo)} | {
     mode: policy_loss for mode in POLICY_LOSSES}
 
 

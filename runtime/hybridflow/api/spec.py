@@ -74,15 +74,20 @@ class KLPenalty(ApiModel):
 
 
 AlgorithmName = Literal["ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo",
-                        "grpo_passk", "remax"]
+                        "grpo_passk", "remax", "gdpo"]
 ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
 CRITIC_ALGORITHMS: tuple[str, ...] = ("ppo",)
 """The algorithms that train a critic; every other one runs the critic-free graph."""
-GROUP_ALGORITHMS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk")
+GROUP_ALGORITHMS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gdpo")
 """The algorithms whose baseline comes from the samples of the same prompt: samplesPerPrompt >= 2."""
 PolicyLoss = Literal["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl",
                      "dro"]
 DRO_NEEDS_BETA = "algorithm.droBeta (a number above 0) is required with policyLoss dro"
+GDPO_NEEDS_KEYS = "algorithm.gdpo.rewardKeys (the reward components to normalise) is required with name gdpo"
+GDPO_NEEDS_FUNCTION = ("algorithm.name gdpo normalises the components a reward function returns: it needs"
+                       " reward.type function")
+_GDPO_WEIGHTS = "algorithm.gdpo.rewardWeights must have one weight per rewardKeys entry"
+MAX_GDPO_KEYS = 16
 
 
 def _group_message(name: str) -> str:
@@ -229,9 +234,7 @@ class RolloutCorrection(ApiModel):
     @field_validator("rejection_sampling")
     @classmethod
     def _one_rule_per_divergence(cls, rules: list[RejectionRule]) -> list[RejectionRule]:
-        twice = _duplicates(r.divergence for r in rules)
-        if twice:
-            raise ValueError(f"divergence {', '.join(map(repr, twice))} appears more than once")
+        _once_each((r.divergence for r in rules), "divergence ")
         return rules
 
     @model_validator(mode="after")
@@ -241,6 +244,44 @@ class RolloutCorrection(ApiModel):
         if self.batch_normalize and self.importance_sampling == "none":
             raise ValueError(_NORMALIZE_NEEDS_IS)
         return self
+
+
+class Gdpo(ApiModel):
+    """GDPO (Group reward-Decoupled normalization Policy Optimization, arXiv:2601.05242; verl's gdpo_reward_keys and
+    gdpo_reward_weights): each reward component is normalised within its prompt's group before they are summed,
+    so that a component of large spread does not drown the others:
+
+        A = whiten_batch( sum_k w_k (r_k - mean_g r_k) / (std_g r_k + 1e-6) )
+
+    The components are the numbers the reward function returns (`{"score": ..., "format": ...}`; `score` may be
+    one of them): the score trains only as one of the keys."""
+
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel("!has(self.rewardWeights) || size(self.rewardWeights) == size(self.rewardKeys)", _GDPO_WEIGHTS,
+                 ".rewardWeights"),
+        )
+    )
+
+    reward_keys: list[Annotated[str, Field(min_length=1, max_length=63)]] = Field(
+        min_length=1, max_length=MAX_GDPO_KEYS, json_schema_extra={"x-kubernetes-list-type": "set"})
+    reward_weights: list[float] | None = Field(None, max_length=MAX_GDPO_KEYS)
+    """One per key, in order; all 1 when left out."""
+
+    @field_validator("reward_keys")
+    @classmethod
+    def _distinct(cls, keys: list[str]) -> list[str]:
+        _once_each(keys, "rewardKeys ")
+        return keys
+
+    @model_validator(mode="after")
+    def _weight_per_key(self) -> Gdpo:
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_keys):
+            raise ValueError(_GDPO_WEIGHTS)
+        return self
+
+    def weights(self) -> list[float]:
+        return self.reward_weights if self.reward_weights is not None else [1.0] * len(self.reward_keys)
 
 
 class Algorithm(ApiModel):
@@ -255,6 +296,7 @@ class Algorithm(ApiModel):
         json_schema_extra=_rules(
             _cel("!has(self.policyLoss) || self.policyLoss != 'dro' || has(self.droBeta)",
                  DRO_NEEDS_BETA, ".droBeta"),
+            _cel("!has(self.name) || self.name != 'gdpo' || has(self.gdpo)", GDPO_NEEDS_KEYS, ".gdpo"),
             _cel("!has(self.rolloutCorrection) || !has(self.rolloutCorrection.bypass) || !self.rolloutCorrection.bypass"
                  " || !has(self.rolloutCorrection.importanceSampling)"
                  " || self.rolloutCorrection.importanceSampling == 'none'"
@@ -268,9 +310,10 @@ class Algorithm(ApiModel):
     baseline), `reinforce_plus_plus` (discounted returns whitened over the batch),
     `reinforce_plus_plus_baseline` (group-mean baseline, then whitened), `opo` (the group's length-weighted mean
     score as baseline), `grpo_passk` (Pass@k: only each group's best response learns, from its lead over the
-    second best) and `remax` (the score of the prompt's greedy response as baseline: the rollout answers each
-    prompt greedily too, and the reward scores that answer). grpo, rloo, reinforce_plus_plus_baseline, opo and
-    grpo_passk need rollout.samplesPerPrompt >= 2."""
+    second best), `remax` (the score of the prompt's greedy response as baseline: the rollout answers each
+    prompt greedily too, and the reward scores that answer) and `gdpo` (each reward component of `gdpo` normalised
+    in its group, then summed). grpo, rloo, reinforce_plus_plus_baseline, opo, grpo_passk and gdpo need
+    rollout.samplesPerPrompt >= 2."""
     policy_loss: PolicyLoss = "vanilla"
     """`vanilla`: PPO's clipped surrogate on per-token ratios; `gspo`: the same on the sequence-level
     ratio (pi/pi_old)^(1/|y|), clipped per sequence (GSPO; the paper uses lossAgg seq-mean-token-mean and
@@ -300,6 +343,8 @@ class Algorithm(ApiModel):
     """policyLoss dro's penalty weight (verl's actor.policy_loss.dro_beta), required there."""
     rollout_correction: RolloutCorrection = Field(default_factory=RolloutCorrection)
     """Weights correcting for the rollout engine's own numerics (off by default)."""
+    gdpo: Gdpo | None = None
+    """The reward components name gdpo normalises, required there."""
     value_clip: float | None = Field(0.5, gt=0.0)
     behaviour_weight_cap: float = Field(2.0, ge=1.0, le=100.0)
     """With spec.scheduling.consistency eventual, samples come from the policy one update behind: each token's
@@ -317,7 +362,7 @@ class Algorithm(ApiModel):
     `seq-mean-token-sum-norm` of each one's sum divided by data.maxResponseLength (Dr. GRPO, with
     normalizeAdvantages false: no bias towards short or long responses)."""
     normalize_advantages: bool = True
-    """ppo: whiten advantages over the batch; grpo and grpo_passk: divide by the group std;
+    """ppo: whiten advantages over the batch; grpo, grpo_passk and gdpo (each component): divide by the group std;
     reinforce_plus_plus(_baseline): whiten over the batch (false skips it); rloo, opo and remax: never normalised."""
 
     @property
@@ -328,6 +373,8 @@ class Algorithm(ApiModel):
     def _dro_has_beta(self) -> Algorithm:
         if self.policy_loss == "dro" and self.dro_beta is None:
             raise ValueError(DRO_NEEDS_BETA)
+        if self.name == "gdpo" and self.gdpo is None:
+            raise ValueError(GDPO_NEEDS_KEYS)
         rc = self.rollout_correction
         if rc.bypass and rc.importance_sampling != "none" and self.policy_loss != "gpg":
             raise ValueError(BYPASS_IS_NEEDS_GPG)
@@ -365,9 +412,7 @@ class Lora(ApiModel):
     @field_validator("target_modules")
     @classmethod
     def _unique_targets(cls, targets: list[str]) -> list[str]:
-        twice = _duplicates(targets)
-        if twice:
-            raise ValueError(f"{', '.join(map(repr, twice))} appears more than once")
+        _once_each(targets)
         return targets
 
 
@@ -582,9 +627,7 @@ class Loggers(ApiModel):
     @field_validator("backends")
     @classmethod
     def _unique_backends(cls, backends: list[str]) -> list[str]:
-        twice = _duplicates(backends)
-        if twice:
-            raise ValueError(f"{', '.join(map(repr, twice))} appears more than once")
+        _once_each(backends)
         return backends
 
 
@@ -776,9 +819,7 @@ class Graph(ApiModel):
     @field_validator("nodes")
     @classmethod
     def _unique_names(cls, nodes: list[GraphNode]) -> list[GraphNode]:
-        twice = _duplicates(n.name for n in nodes)
-        if twice:
-            raise ValueError(f"name {', '.join(map(repr, twice))} appears more than once")
+        _once_each((n.name for n in nodes), "name ")
         return nodes
 
     @field_validator("edges")
@@ -968,9 +1009,7 @@ class Cluster(ApiModel):
     @classmethod
     def _unique(cls, items: list[Any], info: ValidationInfo) -> list[Any]:
         key = "mount_path" if info.field_name == "volume_mounts" else "name"
-        twice = _duplicates(getattr(item, key) for item in items)
-        if twice:
-            raise ValueError(f"{to_camel(key)} {', '.join(map(repr, twice))} appears more than once")
+        _once_each((getattr(item, key) for item in items), f"{to_camel(key)} ")
         return items
 
     @field_validator("volume_mounts")
@@ -994,8 +1033,11 @@ class Cluster(ApiModel):
         return items
 
 
-def _duplicates(values: Iterable[str]) -> list[str]:
-    return [v for v, n in Counter(values).items() if n > 1]
+def _once_each(values: Iterable[str], field: str = "") -> None:
+    """A ValueError naming each value that appears more than once, after `field` ("name ", or none)."""
+    twice = [v for v, n in Counter(values).items() if n > 1]
+    if twice:
+        raise ValueError(f"{field}{', '.join(map(repr, twice))} appears more than once")
 
 
 class RunPolicy(ApiModel):
@@ -1031,6 +1073,9 @@ class RLTrainingJobSpec(ApiModel):
                 )
                 for name in GROUP_ALGORITHMS
             ),
+            _cel("!has(self.algorithm) || !has(self.algorithm.name) || self.algorithm.name != 'gdpo'"
+                 " || !has(self.reward) || !has(self.reward.type) || self.reward.type == 'function'",
+                 GDPO_NEEDS_FUNCTION, ".reward.type"),
             _cel(
                 "!has(self.algorithm) || !has(self.data) || !has(self.rollout)"
                 " || !has(self.algorithm.miniBatchSize)"
@@ -1118,6 +1163,8 @@ class RLTrainingJobSpec(ApiModel):
     def _cross_field(self) -> RLTrainingJobSpec:
         if self.algorithm.name in GROUP_ALGORITHMS and self.rollout.samples_per_prompt < 2:
             raise ValueError(_group_message(self.algorithm.name))
+        if self.algorithm.name == "gdpo" and self.reward.type != "function":
+            raise ValueError(GDPO_NEEDS_FUNCTION)
         if self.trainer.export.adapters == "separate" and self.model.policy.lora is None:
             raise ValueError(SEPARATE_NEEDS_LORA)
         if self.trainer.critic_warmup_steps and not self.algorithm.trains_critic:

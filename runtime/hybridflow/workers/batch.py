@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,17 @@ def first_of_each_group(group_ids: list[int]) -> dict[int, int]:
     for row, group in enumerate(group_ids):
         first.setdefault(group, row)
     return first
+
+
+EXTRA_PREFIX = "reward_extra/"
+"""The other numbers a reward function returned besides its score, [B] each under their key; NaN on a row without
+it, and so on every row of a shard where the function returned none of them."""
+
+
+def _absent(part: RolloutBatch, key: str) -> torch.Tensor:
+    if not key.startswith(EXTRA_PREFIX):
+        raise KeyError(f"a shard lacks {key!r}, which the others carry")
+    return torch.full((len(part),), math.nan)
 
 
 @dataclass
@@ -192,7 +204,8 @@ class RolloutBatch:
             responses=[x for p in parts for x in p.responses],
             answers=[x for p in parts for x in p.answers],
             group_ids=[x for p in parts for x in p.group_ids],
-            tensors={k: torch.cat([resp(p.tensors[k]) for p in parts]) for k in parts[0].tensors},
+            tensors={k: torch.cat([resp(p.tensors[k]) if k in p.tensors else _absent(p, k) for p in parts])
+                     for k in dict.fromkeys(k for p in parts for k in p.tensors)},
             timings=timings, baselines=[x for p in parts for x in p.baselines],
         )
 

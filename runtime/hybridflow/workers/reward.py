@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import importlib
+import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.data.tiny import tiny_task_reward
-from hybridflow.workers.batch import RolloutBatch, first_of_each_group
+from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch, first_of_each_group
 from hybridflow.workers.modeling import DTYPES, check_model_dir, in_micro_batches
 
-RewardFn = Callable[[str, str, str], float]
+RewardFn = Callable[[str, str, str], Any]
+"""(prompt, response, answer) -> a number, or a mapping with a number under "score" and any others to log."""
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -64,11 +67,38 @@ def resolve_reward_function(name: str) -> RewardFn:
     return fn
 
 
+def score_value(value: Any, function: str) -> tuple[float, dict[str, float]]:
+    """A reward function's return as (score, the other numbers it returned): a number, or a mapping with a number
+    under "score" (verl's compute_score may return either); anything else names spec.reward.function."""
+    if isinstance(value, Mapping):
+        extras = {str(k): float(v) for k, v in value.items() if k != "score" and _is_number(v)}
+        if "score" in value and _is_number(value["score"]):
+            return float(value["score"]), extras
+        got = f"{_kind(value['score'])} under 'score'" if "score" in value else \
+            f"a mapping without 'score' (keys: {', '.join(map(str, value)) or 'none'})"
+    elif _is_number(value):
+        return float(value), {}
+    else:
+        got = _kind(value)
+    raise RewardFunctionError(f"spec.reward.function {function!r} returned {got}: it must return a number, or a "
+                              "mapping with a number under 'score' (and any other numbers to log)")
+
+
+def _is_number(v: Any) -> bool:
+    """A real number, bools included (counted 1 and 0), NaN not: a NaN score would poison the advantages."""
+    return isinstance(v, int | float) and not (isinstance(v, float) and math.isnan(v))
+
+
+def _kind(v: Any) -> str:
+    return "NaN" if isinstance(v, float) and math.isnan(v) else f"a {type(v).__name__}"
+
+
 class RewardWorker:
     """Scores whole sequences; the score lands on the last response token downstream."""
 
     def __init__(self, spec: RLTrainingJobSpec, device: torch.device) -> None:
         self.device = device
+        self.function = spec.reward.function
         self.limits = spec.trainer.training
         self.fn: RewardFn | None = None
         self.model: torch.nn.Module | None = None
@@ -84,23 +114,28 @@ class RewardWorker:
 
     @torch.no_grad()
     def score(self, batch: RolloutBatch) -> RolloutBatch:
-        """`scores` [B]; with remax's greedy responses also `reward_baselines` [B], scored once per prompt."""
+        """`scores` [B], and under EXTRA_PREFIX each other number the reward function returned [B] (NaN on a row
+        without it); with remax's greedy responses also `reward_baselines` [B], scored once per prompt."""
         t0 = time.perf_counter()
-        batch.tensors["scores"] = self._scores(batch)
+        batch.tensors["scores"], extras = self._scores(batch)
+        batch.tensors |= {EXTRA_PREFIX + k: v for k, v in extras.items()}
         if batch.baselines:
             first = first_of_each_group(batch.group_ids)
             greedy = batch.slice_index(torch.tensor(list(first.values())))
             greedy.responses = greedy.baselines
-            of_group = dict(zip(first, self._scores(greedy).tolist(), strict=True))
+            of_group = dict(zip(first, self._scores(greedy)[0].tolist(), strict=True))
             batch.tensors["reward_baselines"] = torch.tensor([of_group[g] for g in batch.group_ids])
         batch.add_timing("reward", time.perf_counter() - t0)
         return batch
 
-    def _scores(self, batch: RolloutBatch) -> torch.Tensor:
-        if self.fn is not None:
-            return torch.tensor([float(self.fn(p, r, a)) for p, r, a in zip(batch.prompts, batch.responses,
-                                                                              batch.answers, strict=True)])
-        return in_micro_batches(batch, self.limits, self._model_scores)
+    def _scores(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.fn is None:
+            return in_micro_batches(batch, self.limits, self._model_scores), {}
+        rows = [score_value(self.fn(p, r, a), self.function)
+                for p, r, a in zip(batch.prompts, batch.responses, batch.answers, strict=True)]
+        keys = dict.fromkeys(k for _, extra in rows for k in extra)
+        return torch.tensor([score for score, _ in rows]), {
+            k: torch.tensor([extra.get(k, math.nan) for _, extra in rows]) for k in keys}
 
     def _model_scores(self, batch: RolloutBatch) -> torch.Tensor:
         assert self.model is not None
