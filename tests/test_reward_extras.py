@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ from tests.test_workers import rows
     (1, (1.0, {})),
     (True, (1.0, {})),
     ({"score": 0.25, "acc": False, "n": 3, "pred": "7", "nan": math.nan}, (0.25, {"acc": 0.0, "n": 3.0})),
+    ({"score": np.float32(0.5), "n": np.int64(2)}, (0.5, {"n": 2.0})),  # numpy's scalars, as verl's scorers return
 ])
 def test_a_number_or_a_mapping_with_a_score(value: object, expected: tuple[float, dict[str, float]]) -> None:
     assert score_value(value, "m:f") == expected
@@ -36,6 +38,7 @@ def test_a_number_or_a_mapping_with_a_score(value: object, expected: tuple[float
     (None, "a NoneType"),
     ("1.0", "a str"),
     (math.nan, "NaN"),
+    ({"score": np.float32("nan")}, "NaN under 'score'"),
 ])
 def test_anything_else_names_the_field_and_what_it_returned(value: object, got: str) -> None:
     with pytest.raises(RewardFunctionError) as e:

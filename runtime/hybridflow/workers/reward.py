@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -85,12 +86,12 @@ def score_value(value: Any, function: str) -> tuple[float, dict[str, float]]:
 
 
 def _is_number(v: Any) -> bool:
-    """A real number, bools included (counted 1 and 0), NaN not: a NaN score would poison the advantages."""
-    return isinstance(v, int | float) and not (isinstance(v, float) and math.isnan(v))
+    """A real number (numpy's too), bools included (1 and 0), NaN not: a NaN score would poison the advantages."""
+    return isinstance(v, numbers.Real) and not math.isnan(float(v))
 
 
 def _kind(v: Any) -> str:
-    return "NaN" if isinstance(v, float) and math.isnan(v) else f"a {type(v).__name__}"
+    return "NaN" if isinstance(v, numbers.Real) and math.isnan(float(v)) else f"a {type(v).__name__}"
 
 
 class RewardWorker:
