@@ -82,10 +82,11 @@ def _operator_pod(cluster: RealNodeCluster) -> str:
 
 
 def _since(stamp: str | None, t: float) -> str:
-    """A Kubernetes timestamp as whole seconds after `t` (wall time), or '?' without one."""
+    """A Kubernetes timestamp as whole seconds after `t` (wall time), or '?' without one. The stamp drops the
+    fraction of its second: one within the second of `t` reads 0."""
     if not stamp:
         return "?"
-    return f"{datetime.fromisoformat(stamp.replace('Z', '+00:00')).timestamp() - t:.0f}"
+    return f"{max(0.0, datetime.fromisoformat(stamp.replace('Z', '+00:00')).timestamp() - t):.0f}"
 
 
 def test_tiny_ppo_on_the_runtime_image_through_faults(full_cluster_real: RealNodeCluster) -> None:

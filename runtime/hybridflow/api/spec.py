@@ -370,7 +370,7 @@ class Algorithm(ApiModel):
         return self.name in CRITIC_ALGORITHMS
 
     @model_validator(mode="after")
-    def _dro_has_beta(self) -> Algorithm:
+    def _settings_it_needs(self) -> Algorithm:
         if self.policy_loss == "dro" and self.dro_beta is None:
             raise ValueError(DRO_NEEDS_BETA)
         if self.name == "gdpo" and self.gdpo is None:
