@@ -75,10 +75,10 @@ def test_a_component_missing_on_some_responses_names_the_key(example_doc) -> Non
 
 @pytest.mark.slow
 def test_gdpo_learns_the_tiny_task_from_two_components(example_doc, tmp_path) -> None:
-    """The tiny task's score and whether it earned anything, on the runtime (reward function in a Ray worker)."""
+    """The tiny task's score and whether it earned anything, on the runtime (reward function in a Ray worker); the
+    evaluation after the last step logs the function's other numbers as val/reward_extra/<key>."""
     doc = gdpo_doc(example_doc, ["score", "acc"], [1.0, 0.5])
     doc["metadata"]["name"] = "gdpo"
-    doc["spec"]["data"]["val"] = None
     doc["spec"]["trainer"] |= {"totalSteps": 48, "resume": "never", "evalEvery": 0,
                                "checkpoint": {"every": 0, "path": str(tmp_path / "ckpt")}}
     train_in_fresh_ray(parse_job(doc), tmp_path / "m.jsonl")
@@ -86,3 +86,5 @@ def test_gdpo_learns_the_tiny_task_from_two_components(example_doc, tmp_path) ->
     rewards = [r["reward_mean"] for r in records]
     assert sum(rewards[-5:]) / 5 > rewards[0] + 0.3, rewards
     assert records[-1]["reward_extra/acc"] > records[0]["reward_extra/acc"]
+    # the evaluation after the last step logs them too
+    assert 0 < records[-1]["val/reward_extra/acc"] <= 1 and records[-1]["val/reward_extra/words"] > 0
