@@ -38,6 +38,7 @@ from hybridflow.algos import (
     compute_reinforce_plus_plus_baseline_advantages,
     compute_remax_advantages,
     compute_rloo_advantages,
+    divided_by_mean,
     gspo_policy_loss,
     rollout_rejection,
     rollout_weights,
@@ -244,8 +245,7 @@ def normalized(weights: torch.Tensor, mask: torch.Tensor, level: str, normalize:
     """The weights over their batch mean, as the actor divides them on a single rank."""
     if not normalize:
         return weights
-    total, count = weight_mean_terms(weights, mask, level)
-    return weights / (total / count)
+    return divided_by_mean(weights, *weight_mean_terms(weights, mask, level))[0]
 
 
 def rollout_is_cases(b: dict[str, Any]) -> list[tuple[dict[str, Any], Ours]]:

@@ -6,7 +6,7 @@ import torch
 
 from hybridflow import algos
 from hybridflow.api.spec import RLTrainingJobSpec
-from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch
+from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch, extra_means
 
 
 def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: float) -> dict[str, float]:
@@ -90,5 +90,4 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
     lengths = batch.response_mask.float().sum(-1)
     return {"reward_mean": float(scores.mean()), "reward_max": float(scores.max()),
             "tokens": float(lengths.sum()), "response_length": float(lengths.mean()),
-            "policy_version": float(batch.policy_version), "size": float(len(batch))} | {
-        k: float(v.nanmean()) for k, v in batch.tensors.items() if k.startswith(EXTRA_PREFIX)}
+            "policy_version": float(batch.policy_version), "size": float(len(batch))} | extra_means([batch.tensors])

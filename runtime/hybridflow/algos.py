@@ -503,6 +503,13 @@ def weight_mean_terms(weights: torch.Tensor, mask: torch.Tensor, level: str) -> 
     return float((weights * mask).sum()), float(mask.sum())
 
 
+def divided_by_mean(weights: torch.Tensor, total: float, count: float) -> tuple[torch.Tensor, float]:
+    """The weights over their mean total / count (weight_mean_terms, summed over ranks), and that divisor; a mean
+    of at most 1e-8 (no weight left) divides by 1."""
+    mean = total / count if count else 0.0
+    return (weights / mean, mean) if mean > 1e-8 else (weights, 1.0)
+
+
 @torch.no_grad()
 def rollout_rejection(trainer_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
                       rules: Sequence[tuple[str, float | None, float]]) -> tuple[torch.Tensor, dict[str, float]]:

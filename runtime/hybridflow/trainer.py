@@ -50,7 +50,7 @@ from hybridflow.scheduler.placement import bundle_for, pin_to_pools, torch_threa
 from hybridflow.step import PhaseResult, Prompts, SyncResult, UpdateResult, run_step, step_record
 from hybridflow.telemetry import StepExporter
 from hybridflow.trackers import TRACKERS, TrackerSet, TrackerUnavailable, missing_extras, open_trackers
-from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch
+from hybridflow.workers.batch import RolloutBatch, extra_means
 from hybridflow.workers.host import WorkerHost
 from hybridflow.workers.modeling import quiet_transformers
 
@@ -556,10 +556,7 @@ class Trainer:
         scores = torch.cat([res.tensors["scores"] for res in results])
         lengths = torch.cat([part.response_mask.sum(-1) for part in parts])
         metrics = val_metrics(scores.tolist(), lengths.tolist(), prompt_ids, self.spec.reward.type == "function")
-        extras = dict.fromkeys(k for res in results for k in res.tensors if k.startswith(EXTRA_PREFIX))
-        for key in extras:  # the reward function's other numbers: their mean over the responses that returned them
-            column = [res.tensors.get(key, torch.full((len(res.tensors["scores"]),), math.nan)) for res in results]
-            metrics[f"{PREFIX}{key}"] = float(torch.cat(column).nanmean())
+        metrics |= {PREFIX + k: v for k, v in extra_means([res.tensors for res in results]).items()}
         return metrics | {"timing/eval": time.perf_counter() - t0}
 
     def scores_phase(self, batch: RolloutBatch) -> float:

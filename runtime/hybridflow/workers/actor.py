@@ -323,10 +323,7 @@ class ActorRolloutWorker:
                 if over_ranks:  # the ratio of the two averages is the ratio of the two sums
                     sums = distributed.average_scalars({"total": total, "count": count}, self.device)
                     total, count = sums["total"], sums["count"]
-                mean = total / count if count else 0.0
-                if mean > 1e-8:
-                    weights = weights / mean
-                metrics["rollout_weight_norm_factor"] = mean if mean > 1e-8 else 1.0
+                weights, metrics["rollout_weight_norm_factor"] = algos.divided_by_mean(weights, total, count)
             batch.tensors["rollout_weights"] = weights
             out |= metrics
         if rc.rejection_sampling:

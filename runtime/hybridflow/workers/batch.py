@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,18 @@ it, and so on every row of a shard where the function returned none of them."""
 def _absent(part: RolloutBatch, key: str) -> torch.Tensor:
     if not key.startswith(EXTRA_PREFIX):
         raise KeyError(f"a shard lacks {key!r}, which the others carry")
-    return torch.full((len(part),), math.nan)
+    return _nans(len(part))
+
+
+def _nans(rows: int) -> torch.Tensor:
+    return torch.full((rows,), math.nan)
+
+
+def extra_means(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, float]:
+    """Each EXTRA_PREFIX number's mean over the rows of `parts` (scored tensors, `scores` among them) that carry it:
+    a part without the key counts NaN on each of its rows."""
+    keys = dict.fromkeys(k for p in parts for k in p if k.startswith(EXTRA_PREFIX))
+    return {k: float(torch.cat([p.get(k, _nans(len(p["scores"]))) for p in parts]).nanmean()) for k in keys}
 
 
 @dataclass
