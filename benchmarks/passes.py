@@ -118,7 +118,7 @@ def reduction_peak(reduction: str, way: str) -> dict[str, float]:
     def reduce() -> None:
         if reduction == REDUCTIONS[0]:
             result.append(algos.entropy_from_logits(logits) if way == "whole"
-                          else modeling.token_entropy(logits, "metric"))
+                          else modeling.token_stat(logits, "entropy"))
         else:
             result.append(algos.logprobs_from_logits(logits.float(), labels) if way == "whole"
                           else modeling.token_log_probs(logits, labels))

@@ -399,8 +399,9 @@ def covariance_bounds(draw: st.DrawFn, spec: dict[str, Any]) -> None:
 
 def icepop_band(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     """rolloutCorrection.lowerThreshold below threshold (2 when left out); bypass with importanceSampling only with
-    policyLoss gpg; batchNormalize only with importanceSampling; a rejection rule's lowerThreshold only on k1, at
-    most threshold (1/threshold when left out); one rule per divergence."""
+    policyLoss gpg, and not with name optimal_token_baseline; batchNormalize only with importanceSampling; a
+    rejection rule's lowerThreshold only on k1, at most threshold (1/threshold when left out); one rule per
+    divergence."""
     rule = st.fixed_dictionaries(
         {"divergence": st.sampled_from(["token_k1", "seq_mean_k1", "seq_sum_k3", "seq_max_k2"]),
          "threshold": st.sampled_from([0.5, 2.0])}, optional={"lowerThreshold": st.sampled_from([0.25, 1.0, 3.0])})
@@ -411,6 +412,8 @@ def icepop_band(draw: st.DrawFn, spec: dict[str, Any]) -> None:
                   "rejectionSampling": st.lists(rule, max_size=3)}))
     if draw(st.booleans()):
         _section(spec, "algorithm")["policyLoss"] = "gpg"
+    if draw(st.booleans()):
+        _section(spec, "algorithm")["name"] = "optimal_token_baseline"
 
 
 def dro_beta(draw: st.DrawFn, spec: dict[str, Any]) -> None:

@@ -11,8 +11,8 @@ by n, a relative difference of 1e-8 / n (measured at most 2.7e-10 on these input
 mean, agrees to 2e-16). GSPO under seq-mean-token-mean divides each sequence's sum by (|y| + 1e-8), up to
 1e-8 relative per sequence (|y| = 1), so there the bound is 2e-8 * (1 + |verl|) (absolute as well: a loss
 summing terms of both signs can be much smaller than its terms, which are of order 1 here; measured 3e-9).
-verl computes GDPO and the share of rejected responses in float32 whatever its inputs: those agree to float32
-(TOL_GDPO, IN_FLOAT32).
+verl computes GDPO and the share of rejected responses in float32 whatever its inputs, and GPG's scale
+B / #{r != 0} too: those agree to float32 (TOL_GDPO, IN_FLOAT32, 2^-23 for GPG).
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ from hybridflow import policy_losses
 from hybridflow.algos import (
     AGG_MODES,
     compute_gdpo_advantages,
+    compute_gpg_advantages,
     compute_grpo_passk_advantages,
     compute_opo_advantages,
+    compute_optimal_token_baseline_advantages,
     compute_reinforce_plus_plus_advantages,
     compute_reinforce_plus_plus_baseline_advantages,
     compute_remax_advantages,
@@ -180,6 +182,11 @@ def make_cases() -> list[tuple[dict[str, Any], Ours]]:
             return {"advantages": adv, "returns": ret}
 
         cases.append(({"kind": "remax", "token_rewards": rewards * mask, "baselines": greedy, "mask": mask}, rmx))
+        cases.append((
+            {"kind": "gpg_advantages", "token_rewards": outcome, "mask": mask, "index": ids},
+            lambda seq=seq, ids=ids, mask=mask: {"advantages": compute_gpg_advantages(seq, ids).unsqueeze(-1) * mask},
+        ))
+        cases.extend(optimal_token_baseline_cases(b, rewards, ids))
         gamma = (1.0, 0.95, 0.5, 0.99, 1.0)[seed]
         cases.extend(rollout_is_cases(b))
 
@@ -200,6 +207,23 @@ def make_cases() -> list[tuple[dict[str, Any], Ours]]:
         # verl's SAPO always aggregates with seq-mean-token-mean, and GMPO averages over sequences whatever the mode
         cases.append(policy_loss_case("sapo", policy_inputs(b, per_token_adv=True), mask, "seq-mean-token-mean", 0, 0))
         cases.append(policy_loss_case("geo_mean", policy_inputs(b, per_token_adv=False), mask, "token-mean", 0.1, 0.15))
+    return cases
+
+
+def optimal_token_baseline_cases(b: dict[str, Any], rewards: torch.Tensor, ids: list[str]
+                                  ) -> list[tuple[dict[str, Any], Ours]]:
+    """Dense token rewards, each token's old log-prob and a sum of squared probabilities at least its square; with
+    and without rollout weights."""
+    g, mask = b["gen"], b["mask"]
+    old = -3.0 * torch.rand(BATCH, TOKENS, generator=g, dtype=torch.float64)
+    floor = old.exp().square()
+    spp = floor + (1.0 - floor) * torch.rand(BATCH, TOKENS, generator=g, dtype=torch.float64)
+    cases: list[tuple[dict[str, Any], Ours]] = []
+    for weights in (None, 0.5 + torch.rand(BATCH, TOKENS, generator=g, dtype=torch.float64)):
+        request = {"kind": "optimal_token_baseline", "token_rewards": rewards * mask, "mask": mask, "index": ids,
+                   "old_log_probs": old, "sum_pi_squared": spp} | ({} if weights is None else {"weights": weights})
+        cases.append((request, lambda r=request: {"advantages": compute_optimal_token_baseline_advantages(
+            r["token_rewards"], r["mask"], r["index"], r["old_log_probs"], r["sum_pi_squared"], r.get("weights"))}))
     return cases
 
 
@@ -341,8 +365,9 @@ def compared() -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("kind", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
-                                  "remax", "gdpo", "rollout_is", "rollout_rs", "bypass_reinforce", "gspo", "cispo",
-                                  "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"])
+                                  "remax", "gdpo", "gpg_advantages", "optimal_token_baseline", "rollout_is",
+                                  "rollout_rs", "bypass_reinforce", "gspo", "cispo", "gpg", "sapo", "geo_mean",
+                                  "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"])
 def test_agrees_with_verl(compared: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]], kind: str) -> None:
     checked = 0
     for request, ours, theirs in compared:
@@ -356,6 +381,8 @@ def test_agrees_with_verl(compared: list[tuple[dict[str, Any], dict[str, Any], d
                 rtol, atol = 2.0 ** -23, 0.0
             if request["kind"] == "gdpo":
                 rtol, atol = TOL_GDPO, TOL_GDPO
+            if request["kind"] == "gpg_advantages":
+                rtol, atol = 2.0 ** -23, ATOL
             torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=torch.float64), rtol=rtol, atol=atol,
                                        msg=lambda m, key=key, req=request: f"{kind} {key} "
                                        f"(agg={req.get('agg')}, gamma={req.get('gamma')}): {m}")

@@ -59,7 +59,7 @@ def test_cross_field_rules(example_doc) -> None:
     with pytest.raises(SpecError, match="samplesPerPrompt must be at least 2 for grpo"):
         parse_job(doc)
     doc["spec"]["algorithm"]["gdpo"] = {"rewardKeys": ["score"]}
-    for name in ("rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gdpo"):
+    for name in ("rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gdpo", "gpg", "optimal_token_baseline"):
         doc["spec"]["algorithm"]["name"] = name
         with pytest.raises(SpecError, match=f"samplesPerPrompt must be at least 2 for {name} \\(its baseline"):
             parse_job(doc)

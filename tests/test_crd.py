@@ -102,7 +102,7 @@ def test_optional_fields_are_nullable_and_enums_come_from_literals(schema: dict[
     assert dual["nullable"] is True and dual["default"] == 3.0
     assert at(schema, ".spec.algorithm.name")["enum"] == [
         "ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "remax",
-        "gdpo"]
+        "gdpo", "gpg", "optimal_token_baseline"]
     assert at(schema, ".spec.algorithm.policyLoss")["enum"] == ["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean",
                                                                   "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"]
     assert at(schema, ".spec.rollout.engine")["enum"] == ["torch", "vllm"]
@@ -612,6 +612,11 @@ REJECTED = [
         "bypass-weights-on-a-clipped-loss",
         {"algorithm": {"rolloutCorrection": {"importanceSampling": "sequence", "bypass": True}}},
         "algorithm.rolloutCorrection.importanceSampling with bypass weighs REINFORCE's loss",
+    ),
+    (
+        "optimal-token-baseline-without-its-pass",
+        {"algorithm": {"name": "optimal_token_baseline", "rolloutCorrection": {"bypass": True}}},
+        "algorithm.name optimal_token_baseline weighs each token by the trainer's sum of squared probabilities",
     ),
     (
         "gdpo-without-keys",

@@ -85,9 +85,12 @@ def test_grpo_improves_without_a_critic(example_doc, tmp_path) -> None:
 # opo, grpo_passk and remax, measured the same way with the sampling loop (last-5 mean at 48 / 64 / 80 steps):
 #   opo 0.45 / 0.52 / 0.55; grpo_passk 0.44 / 0.64 / 0.68 (its greedy val reward 1.0 at 80: Pass@k training
 #   lifts the best of a prompt's samples, which greedy decoding finds); remax 0.29 / 0.41 / 0.32.
+# gpg (with policyLoss gpg) 0.46 / 0.52 / 0.44, greedy val 0.50 at 80; optimal_token_baseline 0.70 / 0.79 / 0.79,
+# greedy val 0.81 at 80.
 LEARNS = [("grpo", "gspo", 96, 0.9), ("rloo", "vanilla", 48, 0.2), ("reinforce_plus_plus", "vanilla", 48, 0.2),
           ("reinforce_plus_plus_baseline", "vanilla", 48, 0.2), ("opo", "vanilla", 48, 0.2),
-          ("grpo_passk", "vanilla", 48, 0.2), ("remax", "vanilla", 64, 0.2)]
+          ("grpo_passk", "vanilla", 48, 0.2), ("remax", "vanilla", 64, 0.2), ("gpg", "gpg", 48, 0.2),
+          ("optimal_token_baseline", "vanilla", 48, 0.2)]
 
 
 @pytest.mark.parametrize(("name", "policy_loss", "steps", "bar"), LEARNS, ids=[f"{n}-{p}" for n, p, _, _ in LEARNS])

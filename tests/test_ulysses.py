@@ -241,9 +241,9 @@ def test_disabled_sp_falls_back_to_whole_sequences(equal_case: list[dict[str, An
 
 
 def test_policy_sp2_log_probs_losses_grads_and_updates_equal_sp1(tmp_path: Path) -> None:
-    """The actor's training passes under SP=2 (two ranks, one shard) against SP=1: log-probs, entropy, the
-    clipped loss and its gradients, two whole updates with KL in the loss, and the activations saved per rank
-    at 1024 tokens; then SP off. The 11-token rows (prompt 5) run as two slices of 6 positions, and each rank's
+    """The actor's training passes under SP=2 (two ranks, one shard) against SP=1: log-probs, entropy, sum_v
+    pi_v^2, the clipped loss and its gradients, two whole updates with KL in the loss, and the activations saved per
+    rank at 1024 tokens; then SP off. The 11-token rows (prompt 5) run as two slices of 6 positions, and each rank's
     LM head sees only those that predict a response token (4 .. 10): 2 on the first rank, 5 on the second."""
     outs = run_ranks("actor", tmp_path)
     assert [out["lm_head_positions"] for out in outs] == [[2], [5]]
@@ -251,7 +251,8 @@ def test_policy_sp2_log_probs_losses_grads_and_updates_equal_sp1(tmp_path: Path)
         print("policy SP=2 vs SP=1:", out)
         assert out["sp_group_size"] == 2
         assert out["log_probs_scale"] > 0.1 and out["grad_scale"] > 1e-3 and out["update_param_moved"] > 1e-3
-        for key in ("log_probs_max_abs_diff", "entropy_max_abs_diff", "loss_abs_diff", "grad_max_abs_diff",
+        for key in ("log_probs_max_abs_diff", "entropy_max_abs_diff", "sum_pi_squared_max_abs_diff",
+                    "loss_abs_diff", "grad_max_abs_diff",
                     "update0_loss_abs_diff", "update0_kl_abs_diff", "update0_grad_norm_rel_diff",
                     "update1_loss_abs_diff", "update1_kl_abs_diff", "update1_grad_norm_rel_diff",
                     "actor_memory_log_probs_max_abs_diff", "disabled_update_loss_abs_diff"):

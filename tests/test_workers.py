@@ -162,8 +162,8 @@ def test_the_entropy_joins_the_graph_only_as_a_term_of_the_loss(example_doc) -> 
     batch = hosts[0].rollout([row for row in r for _ in range(4)], [i for i in range(4) for _ in range(4)],
                              ["reward", "reference"])
     model = hosts[0].workers["actor_rollout"].model
-    logp, metric = response_log_probs(model, batch, torch.device("cpu"), "metric")
-    _, term = response_log_probs(model, batch, torch.device("cpu"), "loss")
+    logp, metric = response_log_probs(model, batch, torch.device("cpu"), "entropy")
+    _, term = response_log_probs(model, batch, torch.device("cpu"), "entropy_loss")
     assert metric is not None and term is not None
     assert logp.requires_grad and term.requires_grad and not metric.requires_grad
     torch.testing.assert_close(metric, term.detach())
@@ -566,9 +566,9 @@ def test_prompts_are_not_shared_where_training_recomputes_blocks() -> None:
 
 
 def test_vocabulary_reductions_without_gradient_run_in_chunks(monkeypatch) -> None:
-    """The entropy as a metric, and log-probs that need no gradient, reduce chunks of CHUNK_ELEMENTS logits (4
-    tokens of 11 here) and equal the reduction of the whole tensor; log-probs that train reduce it whole, on the
-    graph."""
+    """The entropy as a metric, sum_v pi_v^2, and log-probs that need no gradient, reduce chunks of CHUNK_ELEMENTS
+    logits (4 tokens of 11 here) and equal the reduction of the whole tensor; log-probs that train reduce it whole,
+    on the graph."""
     from hybridflow.workers import modeling
 
     tokens: list[int] = []
@@ -586,7 +586,12 @@ def test_vocabulary_reductions_without_gradient_run_in_chunks(monkeypatch) -> No
     logits = torch.randn(3, 5, 11, generator=g)
     logits[0, 0, 3] = float("-inf")
     labels = torch.randint(0, 11, (3, 5), generator=g)
-    torch.testing.assert_close(modeling.token_entropy(logits, "metric"), algos.entropy_from_logits(logits))
+    torch.testing.assert_close(modeling.token_stat(logits, "entropy"), algos.entropy_from_logits(logits))
+    assert tokens == [4, 4, 4, 3]
+    tokens.clear()
+    monkeypatch.setattr(modeling, "sum_pi_squared_from_logits", counted(algos.sum_pi_squared_from_logits))
+    torch.testing.assert_close(modeling.token_stat(logits, "sum_pi_squared"),
+                               torch.softmax(logits, -1).square().sum(-1))
     assert tokens == [4, 4, 4, 3]
     tokens.clear()
     torch.testing.assert_close(modeling.token_log_probs(logits, labels), algos.logprobs_from_logits(logits, labels))
@@ -594,7 +599,7 @@ def test_vocabulary_reductions_without_gradient_run_in_chunks(monkeypatch) -> No
     tokens.clear()
     trained = modeling.token_log_probs(logits.requires_grad_(), labels)
     assert trained.requires_grad and tokens == [15]
-    assert modeling.token_entropy(logits[:, :0], "metric").shape == (3, 0)
+    assert modeling.token_stat(logits[:, :0], "entropy").shape == (3, 0)
 
 
 def test_16_bit_logits_are_upcast_whole_only_where_they_train(monkeypatch) -> None:

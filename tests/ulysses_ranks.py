@@ -139,7 +139,8 @@ def scored(batch: RolloutBatch, worker: ActorRolloutWorker) -> RolloutBatch:
 
 def case_actor(rank: int) -> dict[str, Any]:
     """The policy's training passes with SP=2 against SP=1 on the same weights and rows: log-probs, entropy,
-    the PPO loss and its gradients on one minibatch, then two whole updates (KL in the loss), then SP off."""
+    sum_v pi_v^2, the PPO loss and its gradients on one minibatch, then two whole updates (KL in the loss), then SP
+    off."""
     sp_worker = ActorRolloutWorker(critic_spec(1, SP), torch.device("cpu"))
     plain = ActorRolloutWorker(critic_spec(1, 1), torch.device("cpu"))
     batch = scored(rollout_batch(rows=6, prompt=5, response=6), plain)  # 11 tokens: padded to 12 under SP
@@ -149,7 +150,7 @@ def case_actor(rank: int) -> dict[str, Any]:
     hook = sp_worker.model.get_output_embeddings().register_forward_hook(
         lambda _m, args, _out: head.append(args[0].shape[1]))
     with torch.no_grad():
-        (lp_sp, ent_sp), (lp, ent) = (policy_log_probs(w.model, w.sp, batch, torch.device("cpu"), "loss")
+        (lp_sp, ent_sp), (lp, ent) = (policy_log_probs(w.model, w.sp, batch, torch.device("cpu"), "entropy_loss")
                                       for w in (sp_worker, plain))
     hook.remove()
     out["lm_head_positions"] = head
@@ -157,11 +158,16 @@ def case_actor(rank: int) -> dict[str, Any]:
     out["log_probs_max_abs_diff"] = max_diff(lp_sp * m, lp * m)
     out["entropy_max_abs_diff"] = max_diff(ent_sp * m, ent * m)
     out["log_probs_scale"] = float((lp * m).abs().max())
+    with torch.no_grad():  # the optimal token baseline's sum_v pi_v^2, gathered the same way
+        (_, spp_sp), (_, spp) = (policy_log_probs(w.model, w.sp, batch, torch.device("cpu"), "sum_pi_squared")
+                                 for w in (sp_worker, plain))
+    assert spp_sp is not None and spp is not None
+    out["sum_pi_squared_max_abs_diff"] = max_diff(spp_sp * m, spp * m)
 
     losses, grads = [], []
     for w in (sp_worker, plain):
         w.model.zero_grad()
-        logp, entropy = policy_log_probs(w.model, w.sp, batch, torch.device("cpu"), "loss")
+        logp, entropy = policy_log_probs(w.model, w.sp, batch, torch.device("cpu"), "entropy_loss")
         assert entropy is not None
         loss, _ = algos.ppo_policy_loss(batch.tensors["old_log_probs"], logp, batch.tensors["advantages"], m,
                                         clip_low=0.2, clip_high=0.2, dual_clip_c=None, agg="token-mean")

@@ -6,6 +6,7 @@ import torch
 
 from hybridflow import algos
 from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.rollout_correction import corrected
 from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch, extra_means
 
 
@@ -17,7 +18,10 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
     per sequence from its group (the sum of its token rewards against the other samples of its prompt), on every
     valid token; reinforce_plus_plus: discounted per-token returns, whitened over the batch; remax: the returns
     less the reward of the prompt's greedy response (`reward_baselines`, scored by the reward step); gdpo: the
-    reward function's components (algorithm.gdpo.rewardKeys) group-normalised one by one, summed and whitened.
+    reward function's components (algorithm.gdpo.rewardKeys) group-normalised one by one, summed and whitened; gpg:
+    the group mean as baseline, scaled by the batch's share of non-zero scores; optimal_token_baseline: the returns
+    less a baseline for each position of the group, weighted by the old log-probs' score norms (`sum_pi_squared`)
+    and the rollout correction's weights, over the tokens its rejection keeps.
     """
     algo = spec.algorithm
     mask = batch.response_mask.float()
@@ -56,6 +60,10 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
         assert algo.gdpo is not None  # the spec requires it
         adv = algos.compute_gdpo_advantages(reward_components(batch, algo.gdpo.reward_keys), algo.gdpo.weights(),
                                             batch.group_ids, mask, normalize_std=algo.normalize_advantages)
+    elif algo.name == "gpg":
+        adv = algos.compute_gpg_advantages(seq, batch.group_ids).unsqueeze(-1) * mask
+    elif algo.name == "optimal_token_baseline":
+        adv = optimal_token_baseline(batch, token_rewards, spec)
     elif algo.name == "remax":
         baselines = batch.tensors["reward_baselines"]
         adv, _ = algos.compute_remax_advantages(token_rewards, baselines, mask)
@@ -66,6 +74,19 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
     batch.tensors["advantages"] = adv
     out["advantage_abs_mean"] = float(algos.masked_mean(adv.abs(), mask))
     return out
+
+
+def optimal_token_baseline(batch: RolloutBatch, token_rewards: torch.Tensor, spec: RLTrainingJobSpec) -> torch.Tensor:
+    """compute_optimal_token_baseline_advantages on the batch; with rolloutCorrection, its weights and kept tokens
+    (as verl, which corrects the batch before its advantages)."""
+    mask = batch.response_mask.float()
+    old = batch.tensors["old_log_probs"]
+    weights = None
+    if "rollout_log_probs" in batch.tensors:
+        weights, kept, _ = corrected(spec.algorithm.rollout_correction, old, batch.tensors["rollout_log_probs"], mask)
+        mask = mask if kept is None else kept
+    return algos.compute_optimal_token_baseline_advantages(token_rewards, mask, batch.group_ids, old,
+                                                           batch.tensors["sum_pi_squared"], weights)
 
 
 def reward_components(batch: RolloutBatch, keys: list[str]) -> torch.Tensor:

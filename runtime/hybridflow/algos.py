@@ -27,7 +27,9 @@ __all__ = [
     "behaviour_weights",
     "compute_discounted_returns",
     "compute_gae",
+    "compute_gpg_advantages",
     "compute_grpo_advantages",
+    "compute_optimal_token_baseline_advantages",
     "compute_reinforce_plus_plus_advantages",
     "compute_reinforce_plus_plus_baseline_advantages",
     "compute_rloo_advantages",
@@ -44,6 +46,7 @@ __all__ = [
     "ppo_policy_loss",
     "ratio_metrics",
     "scores_to_token_rewards",
+    "sum_pi_squared_from_logits",
     "token_advantages",
     "token_log_ratio",
     "value_loss",
@@ -139,6 +142,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     p = torch.softmax(z, dim=-1)
     z_finite = z.masked_fill(torch.isneginf(z), 0.0)
     return lse - (p * z_finite).sum(dim=-1)
+
+
+def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-token sum_v pi_v^2 = sum_v softmax(z)_v^2, [..., V] -> [...]: the squared norm of the softmax, which
+    the optimal token baseline's score norm takes (compute_optimal_token_baseline_advantages)."""
+    return torch.softmax(_upcast(logits), dim=-1).square().sum(dim=-1)
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -391,6 +400,64 @@ def compute_grpo_passk_advantages(scores: torch.Tensor, group_ids: torch.Tensor 
         lead = top.values[0] - top.values[1]
         advantages[rows[top.indices[0]]] = lead / (group.std() + eps) if normalize_std else lead
     return advantages
+
+
+@torch.no_grad()
+def compute_gpg_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence[Hashable]) -> torch.Tensor:
+    """GPG's advantages (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for Model
+    Reasoning", arXiv:2504.02546, as verl's `gpg`): [B] -> [B].
+
+        A_i = alpha (r_i - mean_g),   alpha = B / max(1, #{j : r_j != 0})
+
+    alpha scales the batch's gradient up by the share of its responses that scored anything, so that groups whose
+    samples all scored 0 (and so learn nothing) do not dilute the rest. Not divided by the group's std; a group of
+    one has baseline 0.
+    """
+    r = _sequence_scores(scores)
+    index = _group_index(group_ids, r.numel(), r.device)
+    count, mean = _group_stats(r, index)
+    alpha = r.numel() / max(int(torch.count_nonzero(r)), 1)
+    return alpha * (r - torch.where(count > 1, mean, torch.zeros_like(mean))[index])
+
+
+@torch.no_grad()
+def compute_optimal_token_baseline_advantages(
+    token_rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor | Sequence[Hashable],
+    old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor, weights: torch.Tensor | None = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """The optimal token baseline's advantages (verl's `optimal_token_baseline`), [B, T]: a baseline for each
+    position t of a group, weighing each response's return by how much its score function varied up to t.
+
+        G_t = sum_{s >= t} r_s,   w_t = (1 - 2 pi_t + sum_v pi_v^2) rho_t^2,   W_t = sum_{s <= t} w_s
+        B_t = sum_{i in g} G_it W_it / (sum_{i in g} W_it + eps),   A_t = (G_t - B_t) on the valid tokens
+
+    pi_t is the old policy's probability of token t and 1 - 2 pi_t + sum_v pi_v^2 the squared norm of its log-prob's
+    gradient with respect to the logits; rho_t the rollout importance weight (`weights`; 1 without). A group of one
+    has baseline 0, and so do the positions of a group's longest response past its second longest (nothing else to
+    compare them with).
+    """
+    returns = (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    w = 1.0 - 2.0 * old_log_probs.exp() + sum_pi_squared
+    if weights is not None:
+        w = w * weights.square()
+    w_path = (w * mask).cumsum(-1) * mask
+    index = _group_index(group_ids, returns.shape[0], returns.device)
+    count, _ = _group_stats(returns[:, 0], index)
+    numerator = torch.zeros(count.numel(), returns.shape[1], dtype=returns.dtype,
+                            device=returns.device).index_add_(0, index, returns * w_path)
+    denominator = torch.zeros_like(numerator).index_add_(0, index, w_path) + eps
+    baseline = torch.where((count > 1)[:, None], numerator / denominator, torch.zeros_like(numerator))[index]
+    lengths = mask.sum(-1)
+    longest = torch.zeros_like(count).scatter_reduce(0, index, lengths, "amax", include_self=False)
+    at_longest = lengths == longest[index]
+    shorter = torch.where(at_longest, torch.full_like(lengths, -1.0), lengths)
+    second = torch.full_like(count, -1.0).scatter_reduce(0, index, shorter, "amax")
+    lone_longest = at_longest & (torch.zeros_like(count).index_add_(0, index, at_longest.to(count))[index] == 1) & (
+        count[index] > 1)
+    tail = torch.arange(returns.shape[1], device=returns.device)[None, :] >= second[index][:, None]
+    baseline = torch.where(lone_longest[:, None] & tail, torch.zeros_like(baseline), baseline)
+    return (returns - baseline) * mask
 
 
 @torch.no_grad()

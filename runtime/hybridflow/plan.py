@@ -117,11 +117,11 @@ def old_log_probs_from_update(spec: RLTrainingJobSpec, lag: int) -> bool:
     """Whether the update takes the old log-probs from its own forward pass, detached, instead of a pass of
     their own: on-policy (lag 0) with one optimiser step per batch (ppoEpochs 1, one minibatch), every forward
     of the update runs on the weights that generated the batch, so pi_old = pi and the ratio is 1. A KL
-    penalty in the reward needs them before the advantages, so it keeps the pass; rolloutCorrection.bypass
-    takes the engine's instead."""
+    penalty in the reward, or the optimal token baseline, needs them before the advantages, so it keeps the
+    pass; rolloutCorrection.bypass takes the engine's instead."""
     kl_in_reward = needs_reference(spec) and spec.algorithm.kl_penalty.mode == "reward"
     return (lag == 0 and spec.algorithm.ppo_epochs == 1 and optimizer_steps(spec) == 1 and not kl_in_reward
-            and not old_log_probs_from_rollout(spec))
+            and not spec.algorithm.needs_sum_pi_squared and not old_log_probs_from_rollout(spec))
 
 
 def old_log_probs_from_rollout(spec: RLTrainingJobSpec) -> bool:

@@ -136,6 +136,20 @@ def bypass_reinforce(case: dict[str, Any]) -> dict[str, Any]:
     return {"loss": loss.item(), "grad": lists(log_prob.grad)}
 
 
+def gpg_advantages(case: dict[str, Any]) -> dict[str, Any]:
+    adv, _ = core_algos.compute_gpg_outcome_advantage(
+        t(case["token_rewards"]), t(case["mask"]), np.array(case["index"], dtype=object))
+    return {"advantages": lists(adv)}
+
+
+def optimal_token_baseline(case: dict[str, Any]) -> dict[str, Any]:
+    weights = case.get("weights")
+    adv, _ = core_algos.compute_optimal_token_baseline_advantage(
+        t(case["token_rewards"]), t(case["mask"]), np.array(case["index"], dtype=object), t(case["old_log_probs"]),
+        t(case["sum_pi_squared"]), rollout_is_weights=None if weights is None else t(weights))
+    return {"advantages": lists(adv)}
+
+
 CLIP_FRACTIONS = {"gspo": "clip_frac", "cispo": "clip_frac", "clip_cov": "cov_frac", "dppo_tv": "clip_frac",
                   "dppo_kl": "clip_frac"}
 """verl's actor/pg_clipfrac: the clipped tokens, for clip_cov those whose loss the covariance rule cut, for DPPO those
@@ -145,7 +159,7 @@ POLICY_LOSSES = ("gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov
 
 KINDS = {f.__name__: f for f in (rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk,
                                  remax, rollout_is, rollout_rs, bypass_reinforce,
-                                 gdpo)} | {
+                                 gdpo, gpg_advantages, optimal_token_baseline)} | {
     mode: policy_loss for mode in POLICY_LOSSES}
 
 

@@ -74,11 +74,12 @@ class KLPenalty(ApiModel):
 
 
 AlgorithmName = Literal["ppo", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo",
-                        "grpo_passk", "remax", "gdpo"]
+                        "grpo_passk", "remax", "gdpo", "gpg", "optimal_token_baseline"]
 ALGORITHMS: tuple[str, ...] = get_args(AlgorithmName)
 CRITIC_ALGORITHMS: tuple[str, ...] = ("ppo",)
 """The algorithms that train a critic; every other one runs the critic-free graph."""
-GROUP_ALGORITHMS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gdpo")
+GROUP_ALGORITHMS: tuple[str, ...] = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gdpo",
+                                     "gpg", "optimal_token_baseline")
 """The algorithms whose baseline comes from the samples of the same prompt: samplesPerPrompt >= 2."""
 PolicyLoss = Literal["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov", "dppo_tv", "dppo_kl",
                      "dro"]
@@ -86,6 +87,9 @@ DRO_NEEDS_BETA = "algorithm.droBeta (a number above 0) is required with policyLo
 GDPO_NEEDS_KEYS = "algorithm.gdpo.rewardKeys (the reward components to normalise) is required with name gdpo"
 GDPO_NEEDS_FUNCTION = ("algorithm.name gdpo normalises the components a reward function returns: it needs"
                        " reward.type function")
+OTB_NEEDS_OLD_PASS = ("algorithm.name optimal_token_baseline weighs each token by the trainer's sum of squared"
+                      " probabilities, scored with the old log-probs: rolloutCorrection.bypass, which takes the"
+                      " engine's log-probs instead of that pass, must be false with it")
 _GDPO_WEIGHTS = "algorithm.gdpo.rewardWeights must have one weight per rewardKeys entry"
 MAX_GDPO_KEYS = 16
 
@@ -302,6 +306,9 @@ class Algorithm(ApiModel):
                  " || self.rolloutCorrection.importanceSampling == 'none'"
                  " || (has(self.policyLoss) && self.policyLoss == 'gpg')", BYPASS_IS_NEEDS_GPG,
                  ".rolloutCorrection.importanceSampling"),
+            _cel("!has(self.name) || self.name != 'optimal_token_baseline' || !has(self.rolloutCorrection)"
+                 " || !has(self.rolloutCorrection.bypass) || !self.rolloutCorrection.bypass", OTB_NEEDS_OLD_PASS,
+                 ".rolloutCorrection.bypass"),
         )
     )
 
@@ -311,9 +318,12 @@ class Algorithm(ApiModel):
     `reinforce_plus_plus_baseline` (group-mean baseline, then whitened), `opo` (the group's length-weighted mean
     score as baseline), `grpo_passk` (Pass@k: only each group's best response learns, from its lead over the
     second best), `remax` (the score of the prompt's greedy response as baseline: the rollout answers each
-    prompt greedily too, and the reward scores that answer) and `gdpo` (each reward component of `gdpo` normalised
-    in its group, then summed). grpo, rloo, reinforce_plus_plus_baseline, opo, grpo_passk and gdpo need
-    rollout.samplesPerPrompt >= 2."""
+    prompt greedily too, and the reward scores that answer), `gdpo` (each reward component of `gdpo` normalised
+    in its group, then summed), `gpg` (the group mean as baseline, scaled up by the batch's share of non-zero
+    scores; pair it with policyLoss gpg, as GPG does) and `optimal_token_baseline` (a baseline for each position:
+    the group's returns weighted by how much each response's score function varied up to there; the pass of old
+    log-probs scores each token's sum of squared probabilities for it). All but ppo, reinforce_plus_plus and remax
+    need rollout.samplesPerPrompt >= 2."""
     policy_loss: PolicyLoss = "vanilla"
     """`vanilla`: PPO's clipped surrogate on per-token ratios; `gspo`: the same on the sequence-level
     ratio (pi/pi_old)^(1/|y|), clipped per sequence (GSPO; the paper uses lossAgg seq-mean-token-mean and
@@ -369,6 +379,11 @@ class Algorithm(ApiModel):
     def trains_critic(self) -> bool:
         return self.name in CRITIC_ALGORITHMS
 
+    @property
+    def needs_sum_pi_squared(self) -> bool:
+        """Whether the advantages take the old policy's sum_v pi_v^2 at each token (optimal_token_baseline)."""
+        return self.name == "optimal_token_baseline"
+
     @model_validator(mode="after")
     def _settings_it_needs(self) -> Algorithm:
         if self.policy_loss == "dro" and self.dro_beta is None:
@@ -378,6 +393,8 @@ class Algorithm(ApiModel):
         rc = self.rollout_correction
         if rc.bypass and rc.importance_sampling != "none" and self.policy_loss != "gpg":
             raise ValueError(BYPASS_IS_NEEDS_GPG)
+        if rc.bypass and self.needs_sum_pi_squared:
+            raise ValueError(OTB_NEEDS_OLD_PASS)
         return self
 
 

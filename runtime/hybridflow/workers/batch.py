@@ -49,7 +49,8 @@ def extra_means(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, float]
 class RolloutBatch:
     """Prompts left-padded to P, responses right-padded to R: input_ids is [B, P + R].
 
-    `tensors` grows as the batch moves: scores, old_log_probs, ref_log_probs, values, advantages, returns.
+    `tensors` grows as the batch moves: scores, old_log_probs (with sum_pi_squared for optimal_token_baseline),
+    ref_log_probs, values, advantages, returns.
     """
 
     input_ids: torch.Tensor

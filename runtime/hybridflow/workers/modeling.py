@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from hybridflow.algos import entropy_from_logits, logprobs_from_logits
+from hybridflow.algos import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 from hybridflow.api.spec import ModelRef, Training
 from hybridflow.hub import HubError, resolve_model_path
 from hybridflow.workers import distributed
@@ -193,8 +193,9 @@ def for_reduction(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.requires_grad else logits
 
 
-EntropyUse = Literal["metric", "loss"] | None
-"""What a pass wants of the per-token entropy: nothing, a logged metric, or a term of the loss."""
+TokenStat = Literal["entropy", "entropy_loss", "sum_pi_squared"]
+"""What a pass wants of the logits besides the log-probs, per token: the entropy as a logged metric or as a term of
+the loss, or sum_v pi_v^2 (the optimal token baseline's)."""
 
 CHUNK_ELEMENTS = 2**26
 """A reduction over the vocabulary that needs no gradient runs on chunks of tokens of at most this many logits
@@ -215,10 +216,16 @@ def per_token_in_chunks(reduce: Callable[..., torch.Tensor], logits: torch.Tenso
     return torch.cat(parts).view(logits.shape[:-1])
 
 
-def token_entropy(logits: torch.Tensor, use: Literal["metric", "loss"]) -> torch.Tensor:
-    """Per-token entropy; as a metric it is taken off the graph, so the backward pass skips the softmax over the
-    vocabulary (and autograd keeps no [B, T, V] tensor for it), and computed in chunks of tokens."""
-    return entropy_from_logits(logits) if use == "loss" else per_token_in_chunks(entropy_from_logits, logits)
+def token_stat(logits: torch.Tensor, stat: TokenStat) -> torch.Tensor:
+    """`stat` per token. Only the loss's entropy stays on the graph; the others are taken off it, so the backward
+    pass skips their softmax over the vocabulary (and autograd keeps no [B, T, V] tensor for them), and computed in
+    chunks of tokens."""
+    reductions = {"entropy": entropy_from_logits, "sum_pi_squared": sum_pi_squared_from_logits}
+    if stat == "entropy_loss":
+        return entropy_from_logits(logits)
+    if stat not in reductions:
+        raise ValueError(f"no per-token {stat!r}: one of entropy, entropy_loss, sum_pi_squared")
+    return per_token_in_chunks(reductions[stat], logits)
 
 
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -229,10 +236,11 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def response_log_probs(model: torch.nn.Module, batch: RolloutBatch, device: torch.device,
-                       entropy: EntropyUse = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       stat: TokenStat | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi of the response tokens, and `token_stat` of their logits where `stat` asks for it."""
     logits = response_logits(model, batch, device)
     logp = token_log_probs(logits, batch.responses_ids.to(device))
-    return logp, (token_entropy(logits, entropy) if entropy else None)
+    return logp, (token_stat(logits, stat) if stat else None)
 
 
 def in_micro_batches(batch: RolloutBatch, limits: Training, score: Callable[[RolloutBatch], torch.Tensor],
@@ -260,13 +268,14 @@ def in_micro_batches(batch: RolloutBatch, limits: Training, score: Callable[[Rol
 
 
 def _per_row(scores: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
-    """A trimmed pass's scores for `batch`'s rows: per-token ones widened to its responses (0 past the pass's
-    longest) and masked to them."""
-    if scores.dim() != 2:
+    """A trimmed pass's scores for `batch`'s rows: per-token ones ([B, R], or [B, R, k] for k numbers a token)
+    widened to its responses (0 past the pass's longest) and masked to them."""
+    if scores.dim() == 1:
         return scores
     mask = batch.response_mask.to(scores.device)
-    wide = torch.nn.functional.pad(scores, (0, mask.shape[1] - scores.shape[1]))
-    return wide * mask
+    columns = scores.dim() - 2
+    wide = torch.nn.functional.pad(scores, (0, 0) * columns + (0, mask.shape[1] - scores.shape[1]))
+    return wide * mask.view(*mask.shape, *(1,) * columns)
 
 
 def minibatch_chunks(n: int, chunks: int, generator: torch.Generator) -> list[torch.Tensor]:
