@@ -352,6 +352,16 @@ def mini_batch(draw: st.DrawFn, spec: dict[str, Any]) -> None:
         spec["algorithm"]["miniBatchSize"] = None
 
 
+def overlong_buffer(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    """reward.overlongBuffer.length <= data.maxResponseLength (8 when left out), at the edge."""
+    longest = draw(st.sampled_from([None, 1, 4, 8, 16]))
+    if longest is not None:
+        _section(spec, "data")["maxResponseLength"] = longest
+    edge = 8 if longest is None else longest
+    _section(spec, "reward")["overlongBuffer"] = {"length": edge + draw(st.integers(-1, 1))} | draw(
+        st.fixed_dictionaries({}, optional={"penaltyFactor": st.sampled_from([0.0, 0.5, 1.0])}))
+
+
 def reward_model(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     reward = _section(spec, "reward")
     reward["type"] = draw(st.sampled_from(["model", "function"]))
@@ -522,8 +532,9 @@ def job_name(draw: st.DrawFn, doc: dict[str, Any]) -> None:
 
 
 RULES: list[Callable[[st.DrawFn, dict[str, Any]], None]] = [
-    group_samples, gdpo_components, mini_batch, reward_model, rollout_engine, evaluation, lr_schedule, critic_warmup,
-    covariance_bounds, dro_beta, icepop_band, export_adapters, replicas, graph, pod_settings,
+    group_samples, gdpo_components, mini_batch, overlong_buffer, reward_model, rollout_engine, evaluation,
+    lr_schedule, critic_warmup, covariance_bounds, dro_beta, icepop_band, export_adapters, replicas, graph,
+    pod_settings,
 ]
 
 

@@ -619,6 +619,16 @@ REJECTED = [
         "algorithm.name optimal_token_baseline weighs each token by the trainer's sum of squared probabilities",
     ),
     (
+        "overlong-buffer-beyond-the-response",
+        {"data": {"maxResponseLength": 4}, "reward": {"overlongBuffer": {"length": 5}}},
+        "reward.overlongBuffer.length must be at most data.maxResponseLength",
+    ),
+    (
+        "overlong-buffer-at-the-default-response-length",
+        {"reward": {"overlongBuffer": {"length": 9}}},
+        "reward.overlongBuffer.length must be at most data.maxResponseLength",
+    ),
+    (
         "gdpo-without-keys",
         {"algorithm": {"name": "gdpo"}},
         "algorithm.gdpo.rewardKeys (the reward components to normalise) is required with name gdpo",

@@ -513,6 +513,23 @@ class RewardModelRef(ApiModel):
     dtype: ModelDtype = "float32"
 
 
+class OverlongBuffer(ApiModel):
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at
+    Scale"; verl's reward overlong_buffer_cfg): the last `length` tokens a response may take are a buffer, and a
+    response reaching into it loses reward in proportion, whatever scored it:
+
+        reward += -penaltyFactor * max(0, |y| - (data.maxResponseLength - length)) / length
+    """
+
+    length: int = Field(ge=1, le=131072)
+    """Tokens of the buffer: at most data.maxResponseLength."""
+    penalty_factor: float = Field(1.0, ge=0.0, le=1000.0)
+    """The reward lost by a response of data.maxResponseLength tokens."""
+
+
+OVERLONG_BUFFER_TOO_LONG = "reward.overlongBuffer.length must be at most data.maxResponseLength"
+
+
 class Reward(ApiModel):
     model_config = ApiModel.model_config | ConfigDict(
         json_schema_extra=_rules(
@@ -530,6 +547,9 @@ class Reward(ApiModel):
                           pattern=r"^(builtin:[a-z0-9_]+|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$")
     """`builtin:tiny_task`, `builtin:gsm8k`, or `module:function` importable on the workers (ASCII names)."""
     model: RewardModelRef | None = None
+    overlong_buffer: OverlongBuffer | None = None
+    """A penalty on responses near data.maxResponseLength (DAPO); null: none. The step record logs it as
+    reward_extra/overlong_reward and the share of responses it touched as reward_extra/overlong."""
 
     @model_validator(mode="after")
     def _model_needs_path(self) -> Reward:
@@ -1093,6 +1113,10 @@ class RLTrainingJobSpec(ApiModel):
             _cel("!has(self.algorithm) || !has(self.algorithm.name) || self.algorithm.name != 'gdpo'"
                  " || !has(self.reward) || !has(self.reward.type) || self.reward.type == 'function'",
                  GDPO_NEEDS_FUNCTION, ".reward.type"),
+            _cel("!has(self.reward) || !has(self.reward.overlongBuffer) || self.reward.overlongBuffer.length"
+                 " <= (has(self.data) && has(self.data.maxResponseLength) ? self.data.maxResponseLength :"
+                 f" {Data.model_fields['max_response_length'].default})", OVERLONG_BUFFER_TOO_LONG,
+                 ".reward.overlongBuffer.length"),
             _cel(
                 "!has(self.algorithm) || !has(self.data) || !has(self.rollout)"
                 " || !has(self.algorithm.miniBatchSize)"
@@ -1182,6 +1206,9 @@ class RLTrainingJobSpec(ApiModel):
             raise ValueError(_group_message(self.algorithm.name))
         if self.algorithm.name == "gdpo" and self.reward.type != "function":
             raise ValueError(GDPO_NEEDS_FUNCTION)
+        buffer = self.reward.overlong_buffer
+        if buffer is not None and buffer.length > self.data.max_response_length:
+            raise ValueError(f"{OVERLONG_BUFFER_TOO_LONG} ({buffer.length} > {self.data.max_response_length})")
         if self.trainer.export.adapters == "separate" and self.model.policy.lora is None:
             raise ValueError(SEPARATE_NEEDS_LORA)
         if self.trainer.critic_warmup_steps and not self.algorithm.trains_critic:

@@ -138,9 +138,9 @@ class ActorRolloutWorker:
         return held
 
     def generate(self, rows: list[dict[str, str]], group_ids: list[int]) -> RolloutBatch:
-        """The samples; for remax also each prompt's greedy response (`RolloutBatch.baselines`), by the same
-        policy version, generated once per group. With rolloutCorrection.bypass the engine's log-probs are the old
-        ones."""
+        """The samples; for remax also each prompt's greedy response (`RolloutBatch.baselines`, its tokens in
+        `baseline_lengths`), by the same policy version, generated once per group. With rolloutCorrection.bypass
+        the engine's log-probs are the old ones."""
         version = self.generating_version()
         if self.spec.algorithm.name != "remax":
             batch = self.rollout.generate(rows, group_ids, version)
@@ -151,7 +151,9 @@ class ActorRolloutWorker:
                 greedy = self.rollout.generate([rows[i] for i in first.values()], list(first), version,
                                                Sampling(0.0))
             answer = dict(zip(first, greedy.responses, strict=True))
+            length = dict(zip(first, greedy.response_mask.sum(-1).tolist(), strict=True))
             batch.baselines = [answer[g] for g in group_ids]
+            batch.tensors["baseline_lengths"] = torch.tensor([length[g] for g in group_ids])
             batch.add_timing("generate_baseline", greedy.timings["generate"])
         if old_log_probs_from_rollout(self.spec):
             batch.tensors["old_log_probs"] = batch.tensors["rollout_log_probs"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.api.spec import OverlongBuffer, RLTrainingJobSpec
 from hybridflow.data.tiny import tiny_task_reward
 from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch, first_of_each_group
 from hybridflow.workers.modeling import DTYPES, check_model_dir, in_micro_batches
@@ -94,12 +94,23 @@ def _kind(v: Any) -> str:
     return "NaN" if isinstance(v, numbers.Real) and math.isnan(float(v)) else f"a {type(v).__name__}"
 
 
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: OverlongBuffer) -> torch.Tensor:
+    """DAPO's soft overlong punishment of responses of `lengths` tokens, [B] (0 or below):
+
+        -penaltyFactor * max(0, |y| - (max_length - length)) / length
+    """
+    excess = (lengths.double() - (max_length - buffer.length)).clamp(min=0.0)
+    return -buffer.penalty_factor * excess / buffer.length
+
+
 class RewardWorker:
     """Scores whole sequences; the score lands on the last response token downstream."""
 
     def __init__(self, spec: RLTrainingJobSpec, device: torch.device) -> None:
         self.device = device
         self.function = spec.reward.function
+        self.overlong = spec.reward.overlong_buffer
+        self.max_response_length = spec.data.max_response_length
         self.limits = spec.trainer.training
         self.fn: RewardFn | None = None
         self.model: torch.nn.Module | None = None
@@ -116,15 +127,26 @@ class RewardWorker:
     @torch.no_grad()
     def score(self, batch: RolloutBatch) -> RolloutBatch:
         """`scores` [B], and under EXTRA_PREFIX each other number the reward function returned [B] (NaN on a row
-        without it); with remax's greedy responses also `reward_baselines` [B], scored once per prompt."""
+        without it); with remax's greedy responses also `reward_baselines` [B], scored once per prompt. With
+        spec.reward.overlongBuffer every score, the greedy responses' too, takes `overlong_penalty`, logged as the
+        extras overlong_reward and overlong (1 where it took some)."""
         t0 = time.perf_counter()
-        batch.tensors["scores"], extras = self._scores(batch)
+        scores, extras = self._scores(batch)
+        if self.overlong is not None:
+            penalty = overlong_penalty(batch.response_mask.sum(-1), self.max_response_length, self.overlong)
+            scores = scores + penalty.to(scores.dtype)
+            extras |= {"overlong_reward": penalty.float(), "overlong": (penalty < 0).float()}
+        batch.tensors["scores"] = scores
         batch.tensors |= {EXTRA_PREFIX + k: v for k, v in extras.items()}
         if batch.baselines:
             first = first_of_each_group(batch.group_ids)
             greedy = batch.slice_index(torch.tensor(list(first.values())))
             greedy.responses = greedy.baselines
-            of_group = dict(zip(first, self._scores(greedy)[0].tolist(), strict=True))
+            greedy_scores = self._scores(greedy)[0]
+            if self.overlong is not None:
+                greedy_scores = greedy_scores + overlong_penalty(greedy.tensors["baseline_lengths"],
+                                                                 self.max_response_length, self.overlong)
+            of_group = dict(zip(first, greedy_scores.tolist(), strict=True))
             batch.tensors["reward_baselines"] = torch.tensor([of_group[g] for g in batch.group_ids])
         batch.add_timing("reward", time.perf_counter() - t0)
         return batch
