@@ -362,6 +362,15 @@ def overlong_buffer(draw: st.DrawFn, spec: dict[str, Any]) -> None:
         st.fixed_dictionaries({}, optional={"penaltyFactor": st.sampled_from([0.0, 0.5, 1.0])}))
 
 
+def filter_groups(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    """algorithm.filterGroups needs samplesPerPrompt >= 2, and a metric other than score a reward function."""
+    _section(spec, "algorithm")["filterGroups"] = draw(st.fixed_dictionaries({}, optional={
+        "metric": st.sampled_from(["score", "acc"]), "maxGenBatches": st.sampled_from([1, 10])}))
+    _section(spec, "rollout")["samplesPerPrompt"] = draw(st.sampled_from([1, 2, 8]))
+    if draw(st.booleans()):
+        _section(spec, "reward").update(type="model", model={"path": "/models/rm"})
+
+
 def reward_model(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     reward = _section(spec, "reward")
     reward["type"] = draw(st.sampled_from(["model", "function"]))
@@ -532,9 +541,9 @@ def job_name(draw: st.DrawFn, doc: dict[str, Any]) -> None:
 
 
 RULES: list[Callable[[st.DrawFn, dict[str, Any]], None]] = [
-    group_samples, gdpo_components, mini_batch, overlong_buffer, reward_model, rollout_engine, evaluation,
-    lr_schedule, critic_warmup, covariance_bounds, dro_beta, icepop_band, export_adapters, replicas, graph,
-    pod_settings,
+    group_samples, gdpo_components, mini_batch, overlong_buffer, filter_groups, reward_model, rollout_engine,
+    evaluation, lr_schedule, critic_warmup, covariance_bounds, dro_beta, icepop_band, export_adapters, replicas,
+    graph, pod_settings,
 ]
 
 

@@ -629,6 +629,17 @@ REJECTED = [
         "reward.overlongBuffer.length must be at most data.maxResponseLength",
     ),
     (
+        "filter-groups-of-one",
+        {"algorithm": {"filterGroups": {}}, "rollout": {"samplesPerPrompt": 1}},
+        "algorithm.filterGroups drops the prompts whose samples all scored the same",
+    ),
+    (
+        "filter-groups-metric-of-a-reward-model",
+        {"algorithm": {"filterGroups": {"metric": "acc"}},
+         "reward": {"type": "model", "model": {"path": "/models/rm"}}},
+        "algorithm.filterGroups.metric other than score is a number the reward function returns",
+    ),
+    (
         "gdpo-without-keys",
         {"algorithm": {"name": "gdpo"}},
         "algorithm.gdpo.rewardKeys (the reward components to normalise) is required with name gdpo",

@@ -7,7 +7,7 @@ import torch
 from hybridflow import algos
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.rollout_correction import corrected
-from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch, extra_means
+from hybridflow.workers.batch import RolloutBatch, extra_means, reward_number
 
 
 def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: float) -> dict[str, float]:
@@ -90,19 +90,8 @@ def optimal_token_baseline(batch: RolloutBatch, token_rewards: torch.Tensor, spe
 
 
 def reward_components(batch: RolloutBatch, keys: list[str]) -> torch.Tensor:
-    """The reward function's numbers under `keys`, [K, B] ("score": the score); a key it did not return on every
-    row is a ValueError naming algorithm.gdpo.rewardKeys."""
-    rows = []
-    for key in keys:
-        name = "scores" if key == "score" else EXTRA_PREFIX + key
-        values = batch.tensors.get(name, torch.full((len(batch),), torch.nan))
-        missing = int(values.isnan().sum())
-        if missing:
-            raise ValueError(f"algorithm.gdpo.rewardKeys: the reward function returned no number under {key!r} for "
-                             f"{missing} of {len(batch)} responses; it must return each key, as "
-                             f"{{'score': ..., {key!r}: ...}}, for every response")
-        rows.append(values)
-    return torch.stack(rows)
+    """The reward function's numbers under `keys`, [K, B] (see reward_number)."""
+    return torch.stack([reward_number(batch.tensors, key, "algorithm.gdpo.rewardKeys") for key in keys])
 
 
 def batch_stats(batch: RolloutBatch) -> dict[str, float]:

@@ -80,7 +80,8 @@ class StepPlan:
     phases: tuple[Phase, ...]
     """rollout, scores, advantages, update; no scores phase when nothing is `scored`."""
     fused: bool
-    """Every phase runs on the actor's single host, so the whole step is one call to it."""
+    """Every phase runs on the actor's single host, so the whole step is one call to it (not with dynamic sampling,
+    whose further prompts the controller draws as the step goes)."""
     lag: int = 0
     """Updates the generating policy may be behind the trained one (policy_lag): 1 pipelines the rollout of
     step t+1 with the update of step t."""
@@ -227,11 +228,16 @@ def policy_edge(graph: DataflowGraph, spec: RLTrainingJobSpec) -> str:
 
 def _consistency_problems(graph: DataflowGraph, spec: RLTrainingJobSpec) -> list[str]:
     """What one-step off-policy pipelining cannot do: a vLLM engine sleeps while the policy trains on its GPUs,
-    and the scheduling field is the built-in graph's (a written graph says it on its control edge)."""
+    dynamic sampling draws its prompts as the step goes, and the scheduling field is the built-in graph's (a
+    written graph says it on its control edge)."""
     problems = []
     if spec.graph is not None and spec.scheduling.consistency == "eventual":
         problems.append("spec.scheduling.consistency: 'eventual' sets the built-in graph's control edge; with "
                         "spec.graph, set consistency: eventual on its control edge into the actor instead")
+    if policy_lag(graph) and spec.algorithm.filter_groups is not None:
+        problems.append("spec.algorithm.filterGroups: a step rolls out more prompts until its batch is full, which "
+                        "a rollout drawn ahead during the update (consistency 'eventual') cannot; with filterGroups "
+                        "allowed: strong")
     if policy_lag(graph) and spec.rollout.engine == "vllm":
         problems.append("spec.rollout.engine: 'vllm' sleeps while the policy trains on the same GPUs, so it cannot "
                         "generate during an update; with consistency 'eventual' allowed: torch")
@@ -406,7 +412,7 @@ def step_plan(graph: DataflowGraph, spec: RLTrainingJobSpec) -> StepPlan:
     phases: tuple[Phase, ...] = ("rollout", "scores", "advantages", "update") if scored else (
         "rollout", "advantages", "update")
     fused = (actor.parallelism == 1 and not remote and not separate_critic
-             and spec.scheduling.micro_batch_size is None)
+             and spec.scheduling.micro_batch_size is None and spec.algorithm.filter_groups is None)
     trained = (actor, critic) if separate_critic and critic is not None else (actor,)
     reads_trained = {"values"} | ({"reference"} if reference_in_policy(spec) else set())
     late = tuple(s for s in colocated if lag and s in reads_trained)

@@ -16,6 +16,7 @@ import torch
 
 from hybridflow.advantages import batch_stats, compute_advantages
 from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.dynamic_sampling import PREFIX as SAMPLING_PREFIX
 from hybridflow.plan import Phase
 from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch
 
@@ -195,7 +196,7 @@ def step_record(step: int, out: StepOutput, elapsed: float, kl_coef: float) -> d
         **{f"timing/{k}": v for k, v in out.seconds.items()},
         **({"weight_sync_bytes": out.sync.bytes, "timing/pipeline_wait": out.sync.waited} if out.sync else {}),
         **{k: v for k, v in adv.items() if k != "kl"},
-        **{k: v for k, v in stats.items() if k.startswith(EXTRA_PREFIX)},
+        **{k: v for k, v in stats.items() if k.startswith((EXTRA_PREFIX, SAMPLING_PREFIX))},
         **{k: upd[k] for k in FOOTPRINT_KEYS if k in upd},
     }
     return {k: v for k, v in record.items() if v is not None}

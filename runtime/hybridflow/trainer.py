@@ -30,6 +30,7 @@ from hybridflow.control.steering import Steering
 from hybridflow.dashboard import report_path, write_report
 from hybridflow.data import DataError
 from hybridflow.data.prompts import PromptSampler, load_prompts, repeat_samples
+from hybridflow.dynamic_sampling import fill_with_varied_groups
 from hybridflow.evaluation import PREFIX, eval_due, eval_seed, last_val_reward, val_metrics
 from hybridflow.export import SPEC, export_policy
 from hybridflow.metrics import MetricsLog, plot_metrics
@@ -133,6 +134,8 @@ class Trainer:
         """The data position before `_next` was drawn: where a checkpoint's resumed run draws again."""
         self._ready: list[RolloutBatch] | None = None
         """The batches of `_next`, back from the actor's hosts (a plan that is not fused)."""
+        self._sampling_stats: dict[str, float] = {}
+        """The last step's dynamic sampling (spec.algorithm.filterGroups)."""
         self.queue_ahead = True
         """Queue each fused step on the actor's host while the one before it runs (`_may_queue_next`)."""
         self._queued: _QueuedStep | None = None
@@ -449,6 +452,7 @@ class Trainer:
         else:
             out = run_step(self, self.plan.phases, rows, gids, self.spec, kl_coef, self._next,
                            max(1, len(self.actor) // self._replicas(self.actor)))
+            out.stats |= self._sampling_stats
         self._result_at = time.perf_counter()
         elapsed = self._result_at - t0
         if self._queued is not None:
@@ -489,6 +493,24 @@ class Trainer:
         self._next, self._ready, self._queued = None, None, None
 
     def rollout_phase(self, rows: list[dict[str, str]], gids: list[int]) -> tuple[RolloutBatch, float]:
+        """`_rollout`; with spec.algorithm.filterGroups, further prompts are drawn and rolled out until the batch holds
+        data.batchSize groups that teach something (dynamic_sampling; their stats go into the step's record)."""
+        batch, compute = self._rollout(rows, gids)
+        rule = self.spec.algorithm.filter_groups
+        if rule is None:
+            return batch, compute
+        spent, prompts = [compute], len(set(gids))
+
+        def more(k: int) -> RolloutBatch:
+            rows, gids = self._prompts()
+            part, seconds = self._rollout(rows, [g + k * prompts for g in gids])
+            spent.append(seconds)
+            return part
+
+        batch, self._sampling_stats = fill_with_varied_groups(batch, more, self.spec.data.batch_size, rule)
+        return batch, sum(spent)
+
+    def _rollout(self, rows: list[dict[str, str]], gids: list[int]) -> tuple[RolloutBatch, float]:
         """Generate in chunks; co-located steps run inside the actor's process, remote ones are streamed
         to their nodes as each chunk completes (through the object store, watched by backpressure).
         A batch generated during the last update only gets its late steps and the remote ones now.

@@ -250,6 +250,26 @@ class RolloutCorrection(ApiModel):
         return self
 
 
+class FilterGroups(ApiModel):
+    """DAPO's dynamic sampling (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale";
+    verl's algorithm.filter_groups): a prompt whose samples all scored the same gives a group-relative advantage of
+    0, so it teaches nothing. Such groups are dropped, and the step draws and rolls out data.batchSize more prompts
+    until it holds data.batchSize groups whose `metric` differs; it trains on the first data.batchSize of them."""
+
+    metric: str = Field("score", min_length=1, max_length=63)
+    """What must differ within a group: `score` (the reward the step trains on, before any KL penalty), or another
+    number the reward function returns (verl's `acc` is `reward_extra/acc`: `metric: acc`)."""
+    max_gen_batches: int = Field(10, ge=1, le=1000)
+    """Rollouts of data.batchSize prompts one step may take; a step still short after as many stops the job,
+    naming this field (the prompts are too easy or too hard for the policy)."""
+
+
+FILTER_NEEDS_GROUPS = ("algorithm.filterGroups drops the prompts whose samples all scored the same: it needs"
+                       " rollout.samplesPerPrompt >= 2")
+FILTER_METRIC_NEEDS_FUNCTION = ("algorithm.filterGroups.metric other than score is a number the reward function"
+                                " returns: it needs reward.type function")
+
+
 class Gdpo(ApiModel):
     """GDPO (Group reward-Decoupled normalization Policy Optimization, arXiv:2601.05242; verl's gdpo_reward_keys and
     gdpo_reward_weights): each reward component is normalised within its prompt's group before they are summed,
@@ -355,6 +375,8 @@ class Algorithm(ApiModel):
     """Weights correcting for the rollout engine's own numerics (off by default)."""
     gdpo: Gdpo | None = None
     """The reward components name gdpo normalises, required there."""
+    filter_groups: FilterGroups | None = None
+    """Dynamic sampling: only groups whose samples scored differently train; null: every group does."""
     value_clip: float | None = Field(0.5, gt=0.0)
     behaviour_weight_cap: float = Field(2.0, ge=1.0, le=100.0)
     """With spec.scheduling.consistency eventual, samples come from the policy one update behind: each token's
@@ -1110,6 +1132,12 @@ class RLTrainingJobSpec(ApiModel):
                 )
                 for name in GROUP_ALGORITHMS
             ),
+            _cel("!has(self.algorithm) || !has(self.algorithm.filterGroups) || !has(self.rollout)"
+                 " || self.rollout.samplesPerPrompt >= 2", FILTER_NEEDS_GROUPS, ".algorithm.filterGroups"),
+            _cel("!has(self.algorithm) || !has(self.algorithm.filterGroups)"
+                 " || !has(self.algorithm.filterGroups.metric) || self.algorithm.filterGroups.metric == 'score'"
+                 " || !has(self.reward) || !has(self.reward.type) || self.reward.type == 'function'",
+                 FILTER_METRIC_NEEDS_FUNCTION, ".algorithm.filterGroups.metric"),
             _cel("!has(self.algorithm) || !has(self.algorithm.name) || self.algorithm.name != 'gdpo'"
                  " || !has(self.reward) || !has(self.reward.type) || self.reward.type == 'function'",
                  GDPO_NEEDS_FUNCTION, ".reward.type"),
@@ -1206,6 +1234,11 @@ class RLTrainingJobSpec(ApiModel):
             raise ValueError(_group_message(self.algorithm.name))
         if self.algorithm.name == "gdpo" and self.reward.type != "function":
             raise ValueError(GDPO_NEEDS_FUNCTION)
+        fg = self.algorithm.filter_groups
+        if fg is not None and self.rollout.samples_per_prompt < 2:
+            raise ValueError(FILTER_NEEDS_GROUPS)
+        if fg is not None and fg.metric != "score" and self.reward.type != "function":
+            raise ValueError(FILTER_METRIC_NEEDS_FUNCTION)
         buffer = self.reward.overlong_buffer
         if buffer is not None and buffer.length > self.data.max_response_length:
             raise ValueError(f"{OVERLONG_BUFFER_TOO_LONG} ({buffer.length} > {self.data.max_response_length})")

@@ -45,6 +45,18 @@ def extra_means(parts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, float]
     return {k: float(torch.cat([p.get(k, _nans(len(p["scores"]))) for p in parts]).nanmean()) for k in keys}
 
 
+def reward_number(tensors: Mapping[str, torch.Tensor], key: str, field: str) -> torch.Tensor:
+    """The reward function's number under `key` on each row, [B] ("score": the score); a row without it is a
+    ValueError naming `field`, the spec field that asked for the key."""
+    rows = len(tensors["scores"])
+    values = tensors["scores"] if key == "score" else tensors.get(EXTRA_PREFIX + key, _nans(rows))
+    missing = int(values.isnan().sum())
+    if missing:
+        raise ValueError(f"{field}: the reward function returned no number under {key!r} for {missing} of {rows} "
+                         f"responses; it must return each key, as {{'score': ..., {key!r}: ...}}, for every response")
+    return values
+
+
 @dataclass
 class RolloutBatch:
     """Prompts left-padded to P, responses right-padded to R: input_ids is [B, P + R].
