@@ -371,6 +371,18 @@ def filter_groups(draw: st.DrawFn, spec: dict[str, Any]) -> None:
         _section(spec, "reward").update(type="model", model={"path": "/models/rm"})
 
 
+def policy_filtration(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    """algorithm.policyFiltration only with name ppo (the default)."""
+    algorithm = _section(spec, "algorithm")
+    algorithm["policyFiltration"] = draw(st.fixed_dictionaries({}, optional={
+        "reweightMethod": st.sampled_from(["pow", "max_min", "max_random"]), "weightPow": st.sampled_from([0.0, 2.0])}))
+    name = draw(st.sampled_from(["absent", "ppo", "grpo"]))
+    if name == "absent":
+        algorithm.pop("name", None)
+    else:
+        algorithm["name"] = name
+
+
 def reward_model(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     reward = _section(spec, "reward")
     reward["type"] = draw(st.sampled_from(["model", "function"]))
@@ -541,9 +553,9 @@ def job_name(draw: st.DrawFn, doc: dict[str, Any]) -> None:
 
 
 RULES: list[Callable[[st.DrawFn, dict[str, Any]], None]] = [
-    group_samples, gdpo_components, mini_batch, overlong_buffer, filter_groups, reward_model, rollout_engine,
-    evaluation, lr_schedule, critic_warmup, covariance_bounds, dro_beta, icepop_band, export_adapters, replicas,
-    graph, pod_settings,
+    group_samples, gdpo_components, mini_batch, overlong_buffer, filter_groups, policy_filtration, reward_model,
+    rollout_engine, evaluation, lr_schedule, critic_warmup, covariance_bounds, dro_beta, icepop_band,
+    export_adapters, replicas, graph, pod_settings,
 ]
 
 

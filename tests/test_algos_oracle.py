@@ -42,6 +42,7 @@ from hybridflow.algos import (
     compute_rloo_advantages,
     divided_by_mean,
     gspo_policy_loss,
+    pf_ppo_weights,
     rollout_rejection,
     rollout_weights,
     scores_to_token_rewards,
@@ -187,6 +188,13 @@ def make_cases() -> list[tuple[dict[str, Any], Ours]]:
             lambda seq=seq, ids=ids, mask=mask: {"advantages": compute_gpg_advantages(seq, ids).unsqueeze(-1) * mask},
         ))
         cases.extend(optimal_token_baseline_cases(b, rewards, ids))
+        for method, power in (("pow", 2.0), ("pow", 0.5), ("max_min", 1.0), ("max_random", 1.0)):
+            cases.append((
+                {"kind": "pf_ppo", "token_scores": outcome, "method": method, "power": power, "seed": seed},
+                lambda scores=scores, method=method, power=power, seed=seed: {"rows": torch.multinomial(
+                    pf_ppo_weights(scores, method, power), BATCH, replacement=True,
+                    generator=torch.Generator().manual_seed(seed)).double()},
+            ))
         gamma = (1.0, 0.95, 0.5, 0.99, 1.0)[seed]
         cases.extend(rollout_is_cases(b))
 
@@ -365,7 +373,7 @@ def compared() -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("kind", ["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
-                                  "remax", "gdpo", "gpg_advantages", "optimal_token_baseline", "rollout_is",
+                                  "remax", "gdpo", "gpg_advantages", "optimal_token_baseline", "pf_ppo", "rollout_is",
                                   "rollout_rs", "bypass_reinforce", "gspo", "cispo", "gpg", "sapo", "geo_mean",
                                   "clip_cov", "kl_cov", "dppo_tv", "dppo_kl", "dro"])
 def test_agrees_with_verl(compared: list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]], kind: str) -> None:

@@ -640,6 +640,11 @@ REJECTED = [
         "algorithm.filterGroups.metric other than score is a number the reward function returns",
     ),
     (
+        "policy-filtration-without-ppo",
+        {"algorithm": {"name": "grpo", "policyFiltration": {}}, "rollout": {"samplesPerPrompt": 4}},
+        "algorithm.policyFiltration redraws PPO's batch after GAE",
+    ),
+    (
         "gdpo-without-keys",
         {"algorithm": {"name": "gdpo"}},
         "algorithm.gdpo.rewardKeys (the reward components to normalise) is required with name gdpo",

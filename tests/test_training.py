@@ -16,7 +16,7 @@ from ray.util.placement_group import placement_group_table
 
 from benchmarks.chaos.procs import own_processes
 from hybridflow.api import parse_job
-from hybridflow.api.spec import FilterGroups
+from hybridflow.api.spec import FilterGroups, PolicyFiltration
 from hybridflow.checkpoint import CONTROLLER_FILE, Superseded, claim, load_state, step_dir
 from hybridflow.checkpoint import complete_steps as checkpoint_steps
 from hybridflow.data.prompts import PromptSampler, load_prompts
@@ -127,6 +127,18 @@ def test_dynamic_sampling_rolls_out_more_prompts_as_the_policy_solves_more_of_th
     assert all(1 <= n <= 20 for n in rollouts) and max(rollouts) >= 2, rollouts
     assert all(0 < f <= 1 for f in kept) and min(kept) < 1, kept
     assert sum(r["reward_mean"] for r in recs[-5:]) / 5 > recs[0]["reward_mean"] + 0.3
+
+
+def test_ppo_learns_on_the_batch_policy_filtration_redraws(example_doc, tmp_path) -> None:
+    """PF-PPO (max_random) on the tiny PPO job. Measured on 2 cores, the mean reward of the last 5 steps at 24 / 48
+    / 80 steps (from 0.08): max_random 0.35 / 0.64 / 0.71; pow (weightPow 2) 0.18 / 0.18 / 0.15 and max_min 0.14 /
+    0.10 / 0.21, which on this 0-to-1 score draw almost only the few rewarded responses at first; plain PPO 0.43 /
+    0.96 / 0.99."""
+    job = tiny_job(example_doc, "tiny-ppo.yaml", tmp_path, steps=48)
+    job.spec.algorithm.policy_filtration = PolicyFiltration(reweightMethod="max_random")
+    run_training(job, str(tmp_path / "m.jsonl"))
+    rewards = [r["reward_mean"] for r in read_metrics(tmp_path / "m.jsonl")]
+    assert sum(rewards[-5:]) / 5 > rewards[0] + 0.3, rewards
 
 
 def test_resume_gives_the_same_metrics_as_a_straight_run(example_doc, tmp_path) -> None:

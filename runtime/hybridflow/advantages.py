@@ -89,6 +89,16 @@ def optimal_token_baseline(batch: RolloutBatch, token_rewards: torch.Tensor, spe
                                                            batch.tensors["sum_pi_squared"], weights)
 
 
+def policy_filtered(batch: RolloutBatch, spec: RLTrainingJobSpec) -> RolloutBatch:
+    """spec.algorithm.policyFiltration: len(batch) rows drawn with replacement by pf_ppo_weights of their scores,
+    by a generator seeded from trainer.seed and the batch's policy version (the same draw on a resumed run)."""
+    rule = spec.algorithm.policy_filtration
+    assert rule is not None
+    weights = algos.pf_ppo_weights(batch.tensors["scores"].double(), rule.reweight_method, rule.weight_pow)
+    draw = torch.Generator().manual_seed(spec.trainer.seed * 1_000_003 + batch.policy_version)
+    return batch.slice_index(torch.multinomial(weights, len(batch), replacement=True, generator=draw))
+
+
 def reward_components(batch: RolloutBatch, keys: list[str]) -> torch.Tensor:
     """The reward function's numbers under `keys`, [K, B] (see reward_number)."""
     return torch.stack([reward_number(batch.tensors, key, "algorithm.gdpo.rewardKeys") for key in keys])

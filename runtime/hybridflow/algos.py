@@ -43,6 +43,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "pf_ppo_weights",
     "ppo_policy_loss",
     "ratio_metrics",
     "scores_to_token_rewards",
@@ -458,6 +459,24 @@ def compute_optimal_token_baseline_advantages(
     tail = torch.arange(returns.shape[1], device=returns.device)[None, :] >= second[index][:, None]
     baseline = torch.where(lone_longest[:, None] & tail, torch.zeros_like(baseline), baseline)
     return (returns - baseline) * mask
+
+
+@torch.no_grad()
+def pf_ppo_weights(scores: torch.Tensor, method: str, power: float) -> torch.Tensor:
+    """PF-PPO's sampling weight of each response by its score, [B] -> [B] (verl's compute_pf_ppo_reweight_data):
+
+        pow: |r|^power     max_min: 1 where r is the batch's max or min, else 0     max_random: 0.4 at the max, else 0.1
+
+    plus 1e-8, so that every row may be drawn."""
+    if method == "pow":
+        weights = scores.abs().pow(power)
+    elif method == "max_min":
+        weights = ((scores == scores.max()) | (scores == scores.min())).to(scores.dtype)
+    elif method == "max_random":
+        weights = torch.where(scores == scores.max(), 0.4, 0.1).to(scores.dtype)
+    else:
+        raise ValueError(f"unknown PF-PPO reweight method {method!r}: one of pow, max_min, max_random")
+    return (weights + 1e-8).clamp(min=1e-8)
 
 
 @torch.no_grad()

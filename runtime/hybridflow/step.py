@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridflow.advantages import batch_stats, compute_advantages
+from hybridflow.advantages import batch_stats, compute_advantages, policy_filtered
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.dynamic_sampling import PREFIX as SAMPLING_PREFIX
 from hybridflow.plan import Phase
@@ -123,7 +123,9 @@ def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, 
 
     `ahead` (consistency eventual) are the next step's prompts: their rollout overlaps this step's update,
     and the next run_step finds their batch ready. With `shards` data-parallel ranks training on the batch,
-    its rows are balanced over them (RolloutBatch.balanced) before any of them gets a part.
+    its rows are balanced over them (RolloutBatch.balanced) before any of them gets a part. With
+    spec.algorithm.policyFiltration the update trains on the batch redrawn by score (`policy_filtered`); the step's
+    stats are the rollout's.
     """
     out = StepOutput()
     t0 = time.perf_counter()
@@ -142,6 +144,9 @@ def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, 
     t0 = time.perf_counter()
     out.advantages = compute_advantages(batch, spec, kl_coef)
     out.stats |= batch_stats(batch)
+    if spec.algorithm.policy_filtration is not None:
+        batch = policy_filtered(batch, spec)
+        batch = batch.balanced(shards) if shards > 1 else batch
     seconds = time.perf_counter() - t0
     out.add("advantages", seconds, seconds)
     t0 = time.perf_counter()

@@ -150,6 +150,17 @@ def optimal_token_baseline(case: dict[str, Any]) -> dict[str, Any]:
     return {"advantages": lists(adv)}
 
 
+def pf_ppo(case: dict[str, Any]) -> dict[str, Any]:
+    from verl.protocol import DataProto
+
+    scores = t(case["token_scores"])
+    data = DataProto.from_dict(tensors={"token_level_scores": scores,
+                                        "row": torch.arange(scores.shape[0], dtype=torch.float64)})
+    torch.manual_seed(case["seed"])
+    drawn = core_algos.compute_pf_ppo_reweight_data(data, case["method"], case["power"])
+    return {"rows": lists(drawn.batch["row"])}
+
+
 CLIP_FRACTIONS = {"gspo": "clip_frac", "cispo": "clip_frac", "clip_cov": "cov_frac", "dppo_tv": "clip_frac",
                   "dppo_kl": "clip_frac"}
 """verl's actor/pg_clipfrac: the clipped tokens, for clip_cov those whose loss the covariance rule cut, for DPPO those
@@ -159,7 +170,7 @@ POLICY_LOSSES = ("gspo", "cispo", "gpg", "sapo", "geo_mean", "clip_cov", "kl_cov
 
 KINDS = {f.__name__: f for f in (rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo, grpo_passk,
                                  remax, rollout_is, rollout_rs, bypass_reinforce,
-                                 gdpo, gpg_advantages, optimal_token_baseline)} | {
+                                 gdpo, gpg_advantages, optimal_token_baseline, pf_ppo)} | {
     mode: policy_loss for mode in POLICY_LOSSES}
 
 

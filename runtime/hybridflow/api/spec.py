@@ -264,6 +264,25 @@ class FilterGroups(ApiModel):
     naming this field (the prompts are too easy or too hard for the policy)."""
 
 
+class PolicyFiltration(ApiModel):
+    """PF-PPO's policy filtration (Shen et al. 2024, "Policy Filtration for RLHF to Mitigate Noise in Reward
+    Models"; verl's algorithm.use_pf_ppo and pf_ppo): after the advantages, the step's batch is drawn again, with
+    replacement and as many rows as it holds, each row as likely as its score's weight, so that the responses whose
+    reward is most reliable (the best and worst scored) train more:
+
+        pow: |r|^weightPow     max_min: 1 for the batch's best and worst score, else 0     max_random: 0.4 for the
+        best, else 0.1                                                             (each + 1e-8)
+    """
+
+    reweight_method: Literal["pow", "max_min", "max_random"] = "pow"
+    weight_pow: float = Field(2.0, ge=0.0, le=100.0)
+    """The exponent of `pow`."""
+
+
+PF_PPO_NEEDS_PPO = ("algorithm.policyFiltration redraws PPO's batch after GAE (verl's use_pf_ppo): it needs name"
+                    " ppo")
+
+
 FILTER_NEEDS_GROUPS = ("algorithm.filterGroups drops the prompts whose samples all scored the same: it needs"
                        " rollout.samplesPerPrompt >= 2")
 FILTER_METRIC_NEEDS_FUNCTION = ("algorithm.filterGroups.metric other than score is a number the reward function"
@@ -326,6 +345,8 @@ class Algorithm(ApiModel):
                  " || self.rolloutCorrection.importanceSampling == 'none'"
                  " || (has(self.policyLoss) && self.policyLoss == 'gpg')", BYPASS_IS_NEEDS_GPG,
                  ".rolloutCorrection.importanceSampling"),
+            _cel("!has(self.policyFiltration) || (has(self.name) ? self.name : 'ppo') == 'ppo'", PF_PPO_NEEDS_PPO,
+                 ".policyFiltration"),
             _cel("!has(self.name) || self.name != 'optimal_token_baseline' || !has(self.rolloutCorrection)"
                  " || !has(self.rolloutCorrection.bypass) || !self.rolloutCorrection.bypass", OTB_NEEDS_OLD_PASS,
                  ".rolloutCorrection.bypass"),
@@ -377,6 +398,8 @@ class Algorithm(ApiModel):
     """The reward components name gdpo normalises, required there."""
     filter_groups: FilterGroups | None = None
     """Dynamic sampling: only groups whose samples scored differently train; null: every group does."""
+    policy_filtration: PolicyFiltration | None = None
+    """PF-PPO: the batch redrawn by score before the update (name ppo); null: as it was rolled out."""
     value_clip: float | None = Field(0.5, gt=0.0)
     behaviour_weight_cap: float = Field(2.0, ge=1.0, le=100.0)
     """With spec.scheduling.consistency eventual, samples come from the policy one update behind: each token's
@@ -417,6 +440,8 @@ class Algorithm(ApiModel):
             raise ValueError(BYPASS_IS_NEEDS_GPG)
         if rc.bypass and self.needs_sum_pi_squared:
             raise ValueError(OTB_NEEDS_OLD_PASS)
+        if self.policy_filtration is not None and self.name != "ppo":
+            raise ValueError(PF_PPO_NEEDS_PPO)
         return self
 
 
