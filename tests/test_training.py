@@ -129,6 +129,31 @@ def test_dynamic_sampling_rolls_out_more_prompts_as_the_policy_solves_more_of_th
     assert sum(r["reward_mean"] for r in recs[-5:]) / 5 > recs[0]["reward_mean"] + 0.3
 
 
+def test_dynamic_sampling_resumes_as_a_straight_run_with_the_reward_on_a_node_of_its_own(example_doc,
+                                                                                        tmp_path) -> None:
+    """PPO with filterGroups and the reward remote: each rollout streams its chunks to the reward node, the filled
+    batch then gets its reference and old log-probs on the actor's host and its values from the critic. A run
+    resumed from step 2 draws the same further prompts as the straight run, so its records are the same."""
+
+    def job(path: Path, steps: int):
+        j = tiny_job(example_doc, "tiny-ppo-remote-reward.yaml", path, steps=steps, every=2)
+        j.spec.rollout.samples_per_prompt, j.spec.data.batch_size = 4, 16
+        j.spec.algorithm.filter_groups = FilterGroups(maxGenBatches=20)
+        return j
+
+    run_training(job(tmp_path / "a", 4), str(tmp_path / "a.jsonl"))
+    run_training(job(tmp_path / "b", 2), str(tmp_path / "b.jsonl"))
+    run_training(job(tmp_path / "b", 4), str(tmp_path / "b.jsonl"))
+    a, b = read_metrics(tmp_path / "a.jsonl"), read_metrics(tmp_path / "b.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert max(r["dynamic_sampling/gen_batches"] for r in a) >= 2, a
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["dynamic_sampling/gen_batches"] == rb["dynamic_sampling/gen_batches"]
+        assert ra["timing/ref_log_probs"] > 0 and ra["timing/values"] > 0
+        for key in COMPARED:
+            assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-6), (ra["step"], key)
+
+
 def test_ppo_learns_on_the_batch_policy_filtration_redraws(example_doc, tmp_path) -> None:
     """PF-PPO (max_random) on the tiny PPO job. Measured on 2 cores, the mean reward of the last 5 steps at 24 / 48
     / 80 steps (from 0.08): max_random 0.35 / 0.64 / 0.71; pow (weightPow 2) 0.18 / 0.18 / 0.15 and max_min 0.14 /

@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +37,8 @@ from hybridflow.export import SPEC, export_policy
 from hybridflow.metrics import MetricsLog, plot_metrics
 from hybridflow.plan import (
     SP_FIELDS,
+    STEP_OF_ROLE,
+    RemoteStep,
     sequence_parallel_problem,
     sequence_parallel_sizes,
     sequences_per_step,
@@ -494,45 +497,66 @@ class Trainer:
 
     def rollout_phase(self, rows: list[dict[str, str]], gids: list[int]) -> tuple[RolloutBatch, float]:
         """`_rollout`; with spec.algorithm.filterGroups, further prompts are drawn and rolled out until the batch holds
-        data.batchSize groups that teach something (dynamic_sampling; their stats go into the step's record)."""
-        batch, compute = self._rollout(rows, gids)
+        data.batchSize groups that teach something (dynamic_sampling; their stats go into the step's record). Until
+        then only the reward runs: the plan's other steps score the kept groups alone."""
         rule = self.spec.algorithm.filter_groups
         if rule is None:
-            return batch, compute
+            return self._rollout(rows, gids)
+        first = {STEP_OF_ROLE["reward"].name}
+        batch, compute = self._rollout(rows, gids, first)
         spent, prompts = [compute], len(set(gids))
 
         def more(k: int) -> RolloutBatch:
             rows, gids = self._prompts()
-            part, seconds = self._rollout(rows, [g + k * prompts for g in gids])
+            part, seconds = self._rollout(rows, [g + k * prompts for g in gids], first)
             spent.append(seconds)
             return part
 
         batch, self._sampling_stats = fill_with_varied_groups(batch, more, self.spec.data.batch_size, rule)
-        return batch, sum(spent)
+        batch, seconds = self._score_rest(batch, first)
+        return batch, sum(spent) + seconds
 
-    def _rollout(self, rows: list[dict[str, str]], gids: list[int]) -> tuple[RolloutBatch, float]:
+    def _rollout(self, rows: list[dict[str, str]], gids: list[int],
+                 only: Collection[str] | None = None) -> tuple[RolloutBatch, float]:
         """Generate in chunks; co-located steps run inside the actor's process, remote ones are streamed
         to their nodes as each chunk completes (through the object store, watched by backpressure).
-        A batch generated during the last update only gets its late steps and the remote ones now.
+        A batch generated during the last update only gets its late steps and the remote ones now. `only`: of the
+        plan's steps, only these run (see `_score_rest`).
         Returns the scored batch and the busiest host's compute."""
-        chain, late = list(self.plan.colocated), list(self.plan.late)
+        chain = [s for s in (*self.plan.colocated, *self.plan.late) if only is None or s in only]
         ready, self._ready = self._ready, None
         if ready is None:
-            dealt = self.actor.deal("rollout", [(rows[a:b], gids[a:b], chain + late)
-                                                for a, b in self._chunks(len(rows))])
+            dealt = self.actor.deal("rollout", [(rows[a:b], gids[a:b], chain) for a, b in self._chunks(len(rows))])
             timed_before: list[set[str]] = [set() for _ in dealt]
         else:
-            dealt = self.actor.deal("late", [(part, late) for part in ready])
+            dealt = self.actor.deal("late", [(part, list(self.plan.late)) for part in ready])
             timed_before = [set(part.timings) for part in ready]
+        return self._collect(dealt, timed_before, [r for r in self.plan.remote if only is None or r.step.name in only])
+
+    def _score_rest(self, batch: RolloutBatch, done: Collection[str]) -> tuple[RolloutBatch, float]:
+        """The plan's steps other than `done` on `batch`, in chunks dealt to the actor's hosts as `_rollout` deals
+        its prompts, the remote ones streamed from there."""
+        chain = [s for s in (*self.plan.colocated, *self.plan.late) if s not in done]
+        remote = [r for r in self.plan.remote if r.step.name not in done]
+        if not chain and not remote:
+            return batch, 0.0
+        parts = [batch.slice(a, b) for a, b in self._chunks(len(batch))]
+        return self._collect(self.actor.deal("late", [(part, chain) for part in parts]),
+                             [set(part.timings) for part in parts], remote)
+
+    def _collect(self, dealt: list[tuple[int, ray.ObjectRef]], timed_before: list[set[str]],
+                 remote: list[RemoteStep]) -> tuple[RolloutBatch, float]:
+        """The dealt chunks back, each through the `remote` steps as it arrives; the batch and the busiest host's
+        compute (the seconds of the timings a chunk did not have in `timed_before`)."""
         gen_refs = [ref for _, ref in dealt]
         chunk_of = {ref: i for i, ref in enumerate(gen_refs)}
-        sent: dict[str, list[int]] = {r.edge: [] for r in self.plan.remote}
+        sent: dict[str, list[int]] = {r.edge: [] for r in remote}
         got: dict[ray.ObjectRef, RolloutBatch] = {}
         waiting = list(gen_refs)
-        while waiting and self.plan.remote:
+        while waiting and remote:
             done, waiting = ray.wait(waiting, num_returns=1)
             got[done[0]] = part = ray.get(done[0])  # its size decides whether it may leave the actor's process
-            for r in self.plan.remote:
+            for r in remote:
                 channel = self.scheduler.channel(r.edge)
                 channel.record_bytes(part.nbytes())
                 channel.put(self.groups[r.node.name].next("run", done[0], r.step.name), len(part))
@@ -547,7 +571,7 @@ class Trainer:
         busy: dict[str, float] = {}
         for (host, _), part, timed in zip(dealt, parts, timed_before, strict=True):
             _add_busy(busy, f"{self.actor.node}_{host}", part.seconds_besides(timed))
-        for r in self.plan.remote:
+        for r in remote:
             results: list[PhaseResult] = self.scheduler.channel(r.edge).drain()
             for i, res in zip(sent[r.edge], results, strict=True):
                 parts[i].tensors.update(res.tensors)
