@@ -63,7 +63,7 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
     elif algo.name == "gpg":
         adv = algos.compute_gpg_advantages(seq, batch.group_ids).unsqueeze(-1) * mask
     elif algo.name == "optimal_token_baseline":
-        adv = optimal_token_baseline(batch, token_rewards, spec)
+        adv = optimal_token_baseline(batch, token_rewards, mask, spec)
     elif algo.name == "remax":
         baselines = batch.tensors["reward_baselines"]
         adv, _ = algos.compute_remax_advantages(token_rewards, baselines, mask)
@@ -76,10 +76,10 @@ def compute_advantages(batch: RolloutBatch, spec: RLTrainingJobSpec, kl_coef: fl
     return out
 
 
-def optimal_token_baseline(batch: RolloutBatch, token_rewards: torch.Tensor, spec: RLTrainingJobSpec) -> torch.Tensor:
+def optimal_token_baseline(batch: RolloutBatch, token_rewards: torch.Tensor, mask: torch.Tensor,
+                           spec: RLTrainingJobSpec) -> torch.Tensor:
     """compute_optimal_token_baseline_advantages on the batch; with rolloutCorrection, its weights and kept tokens
     (as verl, which corrects the batch before its advantages)."""
-    mask = batch.response_mask.float()
     old = batch.tensors["old_log_probs"]
     weights = None
     if "rollout_log_probs" in batch.tensors:

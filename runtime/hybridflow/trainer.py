@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -523,7 +523,7 @@ class Trainer:
         A batch generated during the last update only gets its late steps and the remote ones now. `only`: of the
         plan's steps, only these run (see `_score_rest`).
         Returns the scored batch and the busiest host's compute."""
-        chain = [s for s in (*self.plan.colocated, *self.plan.late) if only is None or s in only]
+        chain, remote = self._steps_where(lambda step: only is None or step in only)
         ready, self._ready = self._ready, None
         if ready is None:
             dealt = self.actor.deal("rollout", [(rows[a:b], gids[a:b], chain) for a, b in self._chunks(len(rows))])
@@ -531,13 +531,18 @@ class Trainer:
         else:
             dealt = self.actor.deal("late", [(part, list(self.plan.late)) for part in ready])
             timed_before = [set(part.timings) for part in ready]
-        return self._collect(dealt, timed_before, [r for r in self.plan.remote if only is None or r.step.name in only])
+        return self._collect(dealt, timed_before, remote)
+
+    def _steps_where(self, keep: Callable[[str], bool]) -> tuple[list[str], list[RemoteStep]]:
+        """The plan's steps that `keep` names: those of the actor's process (co-located, then late) and the
+        remote ones."""
+        return ([s for s in (*self.plan.colocated, *self.plan.late) if keep(s)],
+                [r for r in self.plan.remote if keep(r.step.name)])
 
     def _score_rest(self, batch: RolloutBatch, done: Collection[str]) -> tuple[RolloutBatch, float]:
         """The plan's steps other than `done` on `batch`, in chunks dealt to the actor's hosts as `_rollout` deals
         its prompts, the remote ones streamed from there."""
-        chain = [s for s in (*self.plan.colocated, *self.plan.late) if s not in done]
-        remote = [r for r in self.plan.remote if r.step.name not in done]
+        chain, remote = self._steps_where(lambda step: step not in done)
         if not chain and not remote:
             return batch, 0.0
         parts = [batch.slice(a, b) for a, b in self._chunks(len(batch))]

@@ -131,27 +131,29 @@ class RewardWorker:
         spec.reward.overlongBuffer every score, the greedy responses' too, takes `overlong_penalty`, logged as the
         extras overlong_reward and overlong (1 where it took some)."""
         t0 = time.perf_counter()
-        scores, extras = self._scores(batch)
-        if self.overlong is not None:
-            penalty = overlong_penalty(batch.response_mask.sum(-1), self.max_response_length, self.overlong)
-            scores = scores + penalty.to(scores.dtype)
-            extras |= {"overlong_reward": penalty.float(), "overlong": (penalty < 0).float()}
-        batch.tensors["scores"] = scores
+        batch.tensors["scores"], extras = self._scores(batch, batch.response_mask.sum(-1))
         batch.tensors |= {EXTRA_PREFIX + k: v for k, v in extras.items()}
         if batch.baselines:
             first = first_of_each_group(batch.group_ids)
             greedy = batch.slice_index(torch.tensor(list(first.values())))
             greedy.responses = greedy.baselines
-            greedy_scores = self._scores(greedy)[0]
-            if self.overlong is not None:
-                greedy_scores = greedy_scores + overlong_penalty(greedy.tensors["baseline_lengths"],
-                                                                 self.max_response_length, self.overlong)
+            greedy_scores = self._scores(greedy, greedy.tensors["baseline_lengths"])[0]
             of_group = dict(zip(first, greedy_scores.tolist(), strict=True))
             batch.tensors["reward_baselines"] = torch.tensor([of_group[g] for g in batch.group_ids])
         batch.add_timing("reward", time.perf_counter() - t0)
         return batch
 
-    def _scores(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _scores(self, batch: RolloutBatch, lengths: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The batch's responses (of `lengths` tokens) scored, with the overlong penalty where the spec sets one,
+        and the other numbers to log."""
+        scores, extras = self._raw_scores(batch)
+        if self.overlong is None:
+            return scores, extras
+        penalty = overlong_penalty(lengths, self.max_response_length, self.overlong)
+        return scores + penalty.to(scores.dtype), extras | {"overlong_reward": penalty.float(),
+                                                            "overlong": (penalty < 0).float()}
+
+    def _raw_scores(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.fn is None:
             return in_micro_batches(batch, self.limits, self._model_scores), {}
         rows = [score_value(self.fn(p, r, a), self.function)
