@@ -10,6 +10,7 @@ import torch
 
 from hybridflow.api import SpecError, parse_job
 from hybridflow.api.spec import FilterGroups
+from hybridflow.data.prompts import repeat_samples
 from hybridflow.dynamic_sampling import PREFIX, fill_with_varied_groups, first_groups, varied_rows
 from hybridflow.plan import graph_problems
 from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch
@@ -31,7 +32,7 @@ def rolled(example_doc) -> RolloutBatch:
     host = WorkerHost(parse_job(example_doc("tiny-grpo.yaml")).spec.model_dump(mode="json"), ROLES,
                       instance=0, use_gpu=False)
     r, _ = rows(4)
-    return host.rollout([row for row in r for _ in range(4)], [i for i in range(4) for _ in range(4)], ["reward"])
+    return host.rollout(*repeat_samples(r, 4), ["reward"])
 
 
 def with_scores(batch: RolloutBatch, varied: set[int], offset: int, seconds: float) -> RolloutBatch:

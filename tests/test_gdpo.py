@@ -13,6 +13,7 @@ from hybridflow import algos
 from hybridflow.advantages import compute_advantages
 from hybridflow.api import SpecError, parse_job
 from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.data.prompts import repeat_samples
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.host import WorkerHost
 from tests.helpers import train_in_fresh_ray
@@ -48,7 +49,7 @@ def scored_batch(example_doc, keys: list[str], weights: list[float] | None = Non
     spec = parse_job(gdpo_doc(example_doc, keys, weights)).spec
     host = WorkerHost(spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
     r, _ = rows(4)
-    batch = host.rollout([row for row in r for _ in range(8)], [i for i in range(4) for _ in range(8)], ["reward"])
+    batch = host.rollout(*repeat_samples(r, 8), ["reward"])
     return spec, batch
 
 

@@ -12,6 +12,7 @@ from hybridflow import algos
 from hybridflow.advantages import compute_advantages
 from hybridflow.api import SpecError, parse_job
 from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.data.prompts import repeat_samples
 from hybridflow.plan import old_log_probs_from_update
 from hybridflow.workers.batch import RolloutBatch
 from hybridflow.workers.host import WorkerHost
@@ -30,8 +31,7 @@ def otb_doc(example_doc, **correction: Any) -> dict[str, Any]:
 def scored(spec: RLTrainingJobSpec) -> tuple[WorkerHost, RolloutBatch]:
     host = WorkerHost(spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
     r, _ = rows(4)
-    batch = host.rollout([row for row in r for _ in range(4)], [i for i in range(4) for _ in range(4)],
-                         ["reward", "old_log_probs"])
+    batch = host.rollout(*repeat_samples(r, 4), ["reward", "old_log_probs"])
     return host, batch
 
 

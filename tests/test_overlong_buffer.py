@@ -9,6 +9,7 @@ import torch
 
 from hybridflow.api import SpecError, parse_job
 from hybridflow.api.spec import OverlongBuffer
+from hybridflow.data.prompts import repeat_samples
 from hybridflow.data.tiny import tiny_task_reward
 from hybridflow.workers.host import WorkerHost
 from hybridflow.workers.reward import overlong_penalty
@@ -42,7 +43,7 @@ def scored(example_doc, name: str, buffer: dict[str, Any]) -> tuple[Any, Any]:
     spec = parse_job(doc).spec
     host = WorkerHost(spec.model_dump(mode="json"), ROLES, instance=0, use_gpu=False)
     r, _ = rows(4)
-    batch = host.rollout([row for row in r for _ in range(4)], [i for i in range(4) for _ in range(4)], ["reward"])
+    batch = host.rollout(*repeat_samples(r, 4), ["reward"])
     return spec, batch
 
 
