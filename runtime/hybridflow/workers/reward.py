@@ -137,18 +137,23 @@ class RewardWorker:
             first = first_of_each_group(batch.group_ids)
             greedy = batch.slice_index(torch.tensor(list(first.values())))
             greedy.responses = greedy.baselines
-            greedy_scores = self._scores(greedy, greedy.tensors["baseline_lengths"])[0]
+            greedy_scores = self._scores(greedy, greedy.tensors.get("baseline_lengths"))[0]
             of_group = dict(zip(first, greedy_scores.tolist(), strict=True))
             batch.tensors["reward_baselines"] = torch.tensor([of_group[g] for g in batch.group_ids])
         batch.add_timing("reward", time.perf_counter() - t0)
         return batch
 
-    def _scores(self, batch: RolloutBatch, lengths: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _scores(self, batch: RolloutBatch,
+                lengths: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The batch's responses (of `lengths` tokens) scored, with the overlong penalty where the spec sets one,
-        and the other numbers to log."""
+        and the other numbers to log. The lengths are read only for the penalty (the actor records the greedy
+        baselines' for remax)."""
         scores, extras = self._raw_scores(batch)
         if self.overlong is None:
             return scores, extras
+        if lengths is None:
+            raise ValueError("spec.reward.overlongBuffer needs each response's length; the rollout recorded none for "
+                             "these responses")
         penalty = overlong_penalty(lengths, self.max_response_length, self.overlong)
         return scores + penalty.to(scores.dtype), extras | {"overlong_reward": penalty.float(),
                                                             "overlong": (penalty < 0).float()}
