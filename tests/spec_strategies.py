@@ -466,6 +466,17 @@ def critic_warmup(draw: st.DrawFn, spec: dict[str, Any]) -> None:
         algorithm.pop("name", None)
 
 
+def resume_from(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    """trainer.resumeFrom needs resume auto (the default)."""
+    trainer = _section(spec, "trainer")
+    trainer["resumeFrom"] = draw(st.sampled_from(["/mnt/checkpoints/other/step_00000040", "", None]))
+    resume = draw(st.sampled_from(["absent", "auto", "never"]))
+    if resume == "absent":
+        trainer.pop("resume", None)
+    else:
+        trainer["resume"] = resume
+
+
 def export_adapters(draw: st.DrawFn, spec: dict[str, Any]) -> None:
     """adapters 'separate' needs model.policy.lora."""
     _section(spec, "trainer")["export"] = {"path": "/out", "adapters": draw(st.sampled_from(["merge", "separate"]))}
@@ -555,7 +566,7 @@ def job_name(draw: st.DrawFn, doc: dict[str, Any]) -> None:
 RULES: list[Callable[[st.DrawFn, dict[str, Any]], None]] = [
     group_samples, gdpo_components, mini_batch, overlong_buffer, filter_groups, policy_filtration, reward_model,
     rollout_engine, evaluation, lr_schedule, critic_warmup, covariance_bounds, dro_beta, icepop_band,
-    export_adapters, replicas, graph, pod_settings,
+    resume_from, export_adapters, replicas, graph, pod_settings,
 ]
 
 

@@ -703,6 +703,11 @@ REJECTED = [
         "trainer.criticWarmupSteps trains the critic alone: it needs an algorithm with a critic",
     ),
     (
+        "resume-from-with-resume-never",
+        {"trainer": {"resume": "never", "resumeFrom": "/mnt/checkpoints/other"}},
+        "trainer.resumeFrom needs trainer.resume auto",
+    ),
+    (
         "separate-adapters-without-lora",
         {"trainer": {"export": {"path": "/out", "adapters": "separate"}}},
         "trainer.export.adapters 'separate' needs model.policy.lora",

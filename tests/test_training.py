@@ -17,10 +17,10 @@ from ray.util.placement_group import placement_group_table
 from benchmarks.chaos.procs import own_processes
 from hybridflow.api import parse_job
 from hybridflow.api.spec import FilterGroups, PolicyFiltration
-from hybridflow.checkpoint import CONTROLLER_FILE, Superseded, claim, load_state, step_dir
+from hybridflow.checkpoint import CONTROLLER_FILE, PREVIOUS_DIR, Superseded, claim, load_state, step_dir
 from hybridflow.checkpoint import complete_steps as checkpoint_steps
 from hybridflow.data.prompts import PromptSampler, load_prompts
-from hybridflow.driver import init_ray, run_training
+from hybridflow.driver import TrainingFailed, init_ray, run_training
 from hybridflow.trainer import Trainer
 from hybridflow.workers.modeling import THREADS_ENV
 
@@ -39,7 +39,7 @@ def local_ray():
 def tiny_job(example_doc, name: str, tmp_path: Path, steps: int, every: int = 0, **trainer):
     doc = example_doc(name)
     doc["metadata"]["name"] = f"t-{name.split('.')[0]}-{abs(hash(tmp_path)) % 10_000}"
-    doc["spec"]["trainer"].update(totalSteps=steps, resume="auto", **trainer)
+    doc["spec"]["trainer"].update({"totalSteps": steps, "resume": "auto"} | trainer)
     doc["spec"]["trainer"]["checkpoint"] = {"every": every, "path": str(tmp_path / "ckpt")}
     return parse_job(doc)
 
@@ -182,6 +182,45 @@ def test_resume_gives_the_same_metrics_as_a_straight_run(example_doc, tmp_path) 
             assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-6), (ra["step"], key)
 
 
+def files_under(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_run_started_from_another_runs_checkpoint_goes_on_as_that_run(example_doc, tmp_path) -> None:
+    """Run A: tiny-grpo, 4 steps, a checkpoint every 2. Run B starts from A's step 2 (spec.trainer.resumeFrom) and
+    writes its own: its steps 3 and 4 are A's, and A's files are untouched. B run again to step 6 goes on from
+    its own step 4, not from A's step 2. Then a run with resume never in A's directory moves A's checkpoints into
+    previous/ and keeps its own (an earlier run's newer steps made it prune its own as it wrote them)."""
+    a_root = tmp_path / "a" / "ckpt"
+    a = tiny_job(example_doc, "tiny-grpo.yaml", tmp_path / "a", steps=4, every=2)
+    run_training(a, str(tmp_path / "a.jsonl"))
+    a_files = files_under(a_root)
+    start = str(step_dir(a_root, 2))
+    b = tiny_job(example_doc, "tiny-grpo.yaml", tmp_path / "b", steps=4, every=2, resumeFrom=start)
+    run_training(b, str(tmp_path / "b.jsonl"))
+    ra, rb = read_metrics(tmp_path / "a.jsonl"), read_metrics(tmp_path / "b.jsonl")
+    assert [r["step"] for r in rb] == [3, 4]
+    for x, y in zip(ra[2:], rb, strict=True):
+        for key in ("reward_mean", "kl", "actor_loss", "entropy", "response_length"):
+            assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), (x["step"], key)
+    assert checkpoint_steps(tmp_path / "b" / "ckpt") == [4]
+    assert files_under(a_root) == a_files
+
+    again = tiny_job(example_doc, "tiny-grpo.yaml", tmp_path / "b", steps=6, every=2, resumeFrom=start)
+    run_training(again, str(tmp_path / "b.jsonl"))
+    assert [r["step"] for r in read_metrics(tmp_path / "b.jsonl")] == [3, 4, 5, 6]
+
+    ppo = tiny_job(example_doc, "tiny-ppo.yaml", tmp_path / "c", steps=4, resumeFrom=start)  # a critic A lacks
+    with pytest.raises(TrainingFailed, match=rf"^spec\.trainer\.resumeFrom: checkpoint {start} does not load into "
+                                             r"this job: .* has no state for critic_0: resume needs the same graph$"):
+        run_training(ppo, str(tmp_path / "c.jsonl"))
+
+    fresh = tiny_job(example_doc, "tiny-grpo.yaml", tmp_path / "a", steps=2, every=1, resume="never")
+    run_training(fresh, str(tmp_path / "fresh.jsonl"))
+    assert checkpoint_steps(a_root) == [1, 2]
+    assert files_under(a_root / PREVIOUS_DIR) == {k: v for k, v in a_files.items() if k.startswith("step_")}
+
+
 def _kill_when(metrics: Path, step: int, title: str, killed: list[int], stop: threading.Event) -> None:
     """SIGKILL the first process of this test's own Ray whose title starts with `title` once `metrics` reaches
     `step` (never another Ray's on the same machine)."""
@@ -214,6 +253,19 @@ def test_a_killed_worker_is_rebuilt_and_the_run_completes(example_doc, tmp_path)
     assert result["recoveries"] >= 1
     steps = [r["step"] for r in read_metrics(tmp_path / "m.jsonl")]
     assert steps == list(range(1, 11)), "a step after the checkpoint was skipped or repeated"
+
+
+def test_a_worker_lost_before_the_runs_first_checkpoint_goes_back_to_resume_from(example_doc, tmp_path) -> None:
+    """A run started from another's step 2 that saves nothing of its own rolls back to that step when a worker
+    dies (not to the initial weights at step 0)."""
+    first = tiny_job(example_doc, "tiny-grpo.yaml", tmp_path / "a", steps=2, every=2)
+    run_training(first, str(tmp_path / "a.jsonl"))
+    job = tiny_job(example_doc, "tiny-grpo.yaml", tmp_path / "b", steps=6, every=0,
+                   resumeFrom=str(tmp_path / "a" / "ckpt"))
+    result, killed = _run_with_kill(job, tmp_path / "m.jsonl", step=4, title="ray::WorkerHost")
+    assert killed, "no worker process was found to kill"
+    assert result["recoveries"] >= 1 and result["steps"] == 6
+    assert [r["step"] for r in read_metrics(tmp_path / "m.jsonl")] == [3, 4, 5, 6]
 
 
 def test_a_killed_controller_is_restarted_and_resumes(example_doc, tmp_path) -> None:

@@ -1,7 +1,7 @@
 """What a run's metrics.jsonl says about one fault: pure bookkeeping, fed the records as they are polled.
 
 At the kill, `trained_before` is the last step the metrics show trained. A restore cuts the file back to
-the checkpoint it loaded (Trainer._restore_latest truncates past it) and training goes on from there, so
+the checkpoint it loaded (Trainer._restore truncates past it) and training goes on from there, so
 the first record that was not in the file at the kill (each record holds its own timings, so a replayed
 step never equals the original) follows the checkpoint resumed from: resumed_from = its step - 1, and
 redone = trained_before - resumed_from, the steps trained again. Recovery time runs from the kill to the

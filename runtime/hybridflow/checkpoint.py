@@ -24,12 +24,18 @@ _STEP_DIR = re.compile(r"^step_(\d{8})$")
 OWNER_FILE = "owner"
 CONTROLLER_FILE = "controller.pt"
 """The controller's state in each checkpoint directory: step, data position, RNG, and the rank files beside it."""
+PREVIOUS_DIR = "previous"
+"""Where a run that starts from the spec moves the checkpoints it finds (`retire`)."""
 JOB_FILE = "job.json"
 """The job that wrote the checkpoint, as JSON: what `hybridflow export` needs to rebuild the policy."""
 
 
 class Superseded(RuntimeError):
     """Another controller claimed the checkpoint directory; this one must stop writing."""
+
+
+class NoCheckpoint(ValueError):
+    """spec.trainer.resumeFrom names no checkpoint; one line naming the field."""
 
 
 class CheckpointWriteError(RuntimeError):
@@ -136,6 +142,48 @@ def resolve(path: str | Path) -> Path | None:
         return p
     found = latest(p)
     return found[1] if found else None
+
+
+def retire(root: str | Path) -> Path | None:
+    """Move root's complete checkpoints into root/previous, replacing what it held; returns it, None when there
+    were none.
+
+    A run that starts from the spec would otherwise count an earlier run's checkpoints as its own: `prune` keeps
+    the newest steps, theirs, and drops its own as it writes them, and a recovery restores theirs.
+    """
+    steps = complete_steps(root)
+    if not steps:
+        return None
+    staging = Path(root) / f".tmp-{PREVIOUS_DIR}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    for step in steps:
+        step_dir(root, step).rename(staging / step_dir(root, step).name)
+    previous = Path(root) / PREVIOUS_DIR
+    if previous.exists():
+        shutil.rmtree(previous)
+    staging.rename(previous)
+    return previous
+
+
+def resume_source(own: str | Path, resume_from: str | None) -> tuple[Path, bool] | None:
+    """Where a run (re)starts when it resumes: its own newest checkpoint (True), else resume_from's (False).
+
+    Its own come first so that a restart goes on from what the run trained, not from where it began; a
+    resume_from that holds no checkpoint is a NoCheckpoint naming spec.trainer.resumeFrom.
+    """
+    found = latest(own)
+    if found is not None:
+        return found[1], True
+    return None if resume_from is None else (find_resume_from(resume_from), False)
+
+
+def find_resume_from(resume_from: str) -> Path:
+    """spec.trainer.resumeFrom's checkpoint (checkpoint.resolve), or a NoCheckpoint naming the field."""
+    source = resolve(resume_from)
+    if source is None:
+        raise NoCheckpoint(f"spec.trainer.resumeFrom: no checkpoint at {resume_from} (give a step_N directory "
+                           f"holding {CONTROLLER_FILE}, or a checkpoint.path holding step_N directories)")
+    return source
 
 
 def prune(root: str | Path, keep: int) -> None:

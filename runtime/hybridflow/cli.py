@@ -123,9 +123,9 @@ def _train(args: argparse.Namespace, config: str, local: bool) -> int:
         return _fail(str(e))
     except Exception as e:  # placement and other plan errors carry their own message
         console.close()
-        from hybridflow.driver import _cause
+        from hybridflow.ray_errors import innermost_message
 
-        return _fail(_cause(e))
+        return _fail(innermost_message(e))
     console.close()
     written = metrics_out if "jsonl" in job.spec.trainer.loggers.backends else None
     _summarise(result, written, time.perf_counter() - t0)

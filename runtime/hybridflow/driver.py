@@ -13,6 +13,7 @@ import ray
 
 from hybridflow.api.spec import RLTrainingJob
 from hybridflow.control.names import RAY_NAMESPACE, controller_name, job_ref
+from hybridflow.ray_errors import innermost_message
 from hybridflow.workers.modeling import THREADS_ENV
 
 log = logging.getLogger(__name__)
@@ -79,12 +80,12 @@ def run_training(job: RLTrainingJob, metrics_out: str | None, on_progress: Progr
             except ray.exceptions.RayActorError as e:
                 attempts += 1
                 if attempts > restarts:
-                    raise TrainingFailed(f"the controller died {attempts} times: {_cause(e)}") from None
+                    raise TrainingFailed(f"the controller died {attempts} times: {innermost_message(e)}") from None
                 log.warning("controller process lost (%s); Ray restarts it and it resumes from the newest "
-                            "checkpoint (%d/%d)", _cause(e), attempts, restarts)
+                            "checkpoint (%d/%d)", innermost_message(e), attempts, restarts)
                 _wait_alive(ctrl, timeout_s=120)
             except ray.exceptions.RayTaskError as e:
-                raise TrainingFailed(_cause(e)) from None
+                raise TrainingFailed(innermost_message(e)) from None
     finally:
         with contextlib.suppress(Exception):  # already gone: Ray reclaims what it owned
             ray.get(ctrl.shutdown.remote(), timeout=60)
@@ -127,11 +128,3 @@ def _wait_alive(ctrl: Any, timeout_s: float) -> None:
             time.sleep(0.5)
     raise TrainingFailed(f"the controller did not come back within {timeout_s:.0f}s")
 
-
-def _cause(e: BaseException) -> str:
-    """The innermost message of a Ray error, without Ray's traceback framing."""
-    inner = getattr(e, "cause", None) or e.__cause__
-    if inner is not None and inner is not e:
-        return _cause(inner)
-    text = str(e).strip().splitlines()
-    return text[-1] if text else type(e).__name__

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.api.spec import RLTrainingJobSpec
+from hybridflow.checkpoint import NoCheckpoint, find_resume_from
 from hybridflow.data.prompts import DataError, load_prompts
 from hybridflow.plan import graph_problems
 from hybridflow.trackers import missing_extras
@@ -43,6 +44,11 @@ def preflight(spec: RLTrainingJobSpec, accelerator: str = "CPU") -> list[str]:
         problems.append(problem)
     problems += vllm_cpu_problems(spec, accelerator)
     problems += missing_extras(spec.trainer.loggers.backends)
+    if spec.trainer.resume_from is not None:
+        try:
+            find_resume_from(spec.trainer.resume_from)
+        except NoCheckpoint as e:
+            problems.append(str(e))
     return problems
 
 

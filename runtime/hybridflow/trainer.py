@@ -45,6 +45,7 @@ from hybridflow.plan import (
     step_plan,
     trainable_graph,
 )
+from hybridflow.ray_errors import innermost_message
 from hybridflow.reporting import ProgressReporter
 from hybridflow.scheduler import HybridScheduler
 from hybridflow.scheduler.group import HostGroup
@@ -304,9 +305,11 @@ class Trainer:
         if not self.started:
             self.start()
         total = self.spec.trainer.total_steps
-        if self.spec.trainer.resume == "auto" and self._restore_latest():
+        if self.spec.trainer.resume == "auto" and self._restore():
             log.info("resumed from %s at step %d", self.last_checkpoint, self.step)
         else:
+            if moved := checkpoint.retire(self.spec.trainer.checkpoint.path):
+                log.info("this run starts from the spec: an earlier run's checkpoints are now in %s", moved)
             self.metrics.reset()
         baseline = self.spec.trainer.eval_before_train and self.step == 0 and bool(self.val_rows)
         self.trackers = open_trackers(self.job, TRACKERS, self.metrics_out,
@@ -746,33 +749,45 @@ class Trainer:
         if self.owner is not None:
             checkpoint.check_owner(self.spec.trainer.checkpoint.path, self.owner)
 
-    def _restore_latest(self) -> bool:
-        """Load the newest checkpoint into every host.
+    def _restore(self) -> bool:
+        """Load the checkpoint a (re)start resumes from (checkpoint.resume_source) into every host; False when
+        there is none.
 
         A group's parallelism may differ from the checkpoint's (changed from outside or by backpressure
         after it was written): the training state is read resharded to the ranks running now
         (hybridflow.dcp), a rank the checkpoint lacks takes rank 0's file of versions and RNG, and saved
         ranks beyond those running are not needed.
         """
-        found = checkpoint.latest(self.spec.trainer.checkpoint.path)
+        t = self.spec.trainer
+        found = checkpoint.resume_source(t.checkpoint.path, t.resume_from)
         if found is None:
             return False
-        _step, path = found
-        state = checkpoint.load_state(Path(path) / CONTROLLER_FILE)
+        path, own = found
+        state = checkpoint.load_state(path / CONTROLLER_FILE)
         saved = set(state["world"])
         running = self._instances()
+        field = "" if own else "spec.trainer.resumeFrom: "
         lacking = sorted({_lead(n) for n in saved} - {_lead(n) for n, _ in running})
         if lacking:
-            raise RuntimeError(f"checkpoint {path} holds state of {', '.join(lacking)}, which this graph lacks: "
-                               "resume needs the same graph")
-        ray.get([h.load.remote(str(path), name if name in saved else f"{_lead(name)}_0") for name, h in running])
+            raise RuntimeError(f"{field}checkpoint {path} holds state of {', '.join(lacking)}, which this graph "
+                               "lacks: resume needs the same graph")
+        try:
+            ray.get([h.load.remote(str(path), name if name in saved else f"{_lead(name)}_0") for name, h in running])
+        except ray.exceptions.RayTaskError as e:
+            if own:
+                raise
+            problem = innermost_message(e)
+            raise RuntimeError(f"{field}checkpoint {path} does not load into this job: {problem}") from None
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.sampler.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.step = int(state["step"])
         self.last_checkpoint = str(path)
-        self.metrics.truncate_after(self.step)
+        if own:
+            self.metrics.truncate_after(self.step)
+        else:  # another run's: its records are in its own metrics file
+            self.metrics.reset()
         self.last_val = last_val_reward(self.metrics.read())
         return True
 
@@ -800,7 +815,7 @@ class Trainer:
         log.warning("worker lost at step %d (%s); restoring the last checkpoint", self.step + 1,
                     type(error).__name__)
         self.scheduler.rejoin(self.spec.scheduling.placement_timeout_seconds)
-        if not self._restore_latest():
+        if not self._restore():
             ray.get([h.reset.remote() for _, h in self._instances()])
             self.step = 0
             self.sampler.load_state_dict({"epoch": 0, "position": 0})

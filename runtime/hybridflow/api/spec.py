@@ -678,7 +678,11 @@ class Checkpoint(ApiModel):
     every: int = Field(0, ge=0)
     """Save every N steps; 0 disables."""
     path: str = "./checkpoints"
+    """This run's checkpoints, one step_N directory each. A run that starts from the spec (resume never, or
+    nothing to resume) first moves the ones it finds there into previous/, replacing what that held, so that an
+    earlier run's neither mixes with its own nor is lost at once."""
     keep: int = Field(2, ge=1)
+    """How many of the newest checkpoints stay; older ones are deleted as a new one is written."""
 
 
 LoggerBackend = Literal["console", "jsonl", "tensorboard", "mlflow", "wandb"]
@@ -816,9 +820,18 @@ class Optimizer(ApiModel):
 
 
 MAX_STEPS = 10_000_000
+RESUME_FROM_NEEDS_AUTO = ("trainer.resumeFrom needs trainer.resume auto: never starts from the spec, whatever "
+                          "checkpoint there is")
 
 
 class Trainer(ApiModel):
+    model_config = ApiModel.model_config | ConfigDict(
+        json_schema_extra=_rules(
+            _cel("!has(self.resumeFrom) || !has(self.resume) || self.resume == 'auto'", RESUME_FROM_NEEDS_AUTO,
+                 ".resumeFrom"),
+        )
+    )
+
     total_steps: int = Field(20, ge=1, le=MAX_STEPS)
     """Training steps, each on data.batchSize prompts; ignored when totalEpochs is set."""
     total_epochs: int | None = Field(None, ge=1, le=100_000)
@@ -827,6 +840,12 @@ class Trainer(ApiModel):
     last batch of a pass tops up from the next one). status.progress.totalSteps shows the count."""
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     resume: Literal["auto", "never"] = "auto"
+    """`auto`: go on from the newest checkpoint under checkpoint.path (else from resumeFrom, else the spec);
+    `never`: start from the spec."""
+    resume_from: str | None = Field(None, min_length=1)
+    """A checkpoint of another run to start from (its step_N directory, or its checkpoint.path for the newest):
+    weights, optimizer state, data position and step, as a resume; needs the same graph. This run writes its
+    own under checkpoint.path, and once it has one, a restart goes on from that instead."""
     seed: int = 0
     actor_lr: float = Field(1e-5, gt=0.0)
     critic_lr: float = Field(1e-5, gt=0.0)
@@ -853,6 +872,12 @@ class Trainer(ApiModel):
     """Write the final policy as a Hugging Face folder at the end of the run."""
     training: Training = Field(default_factory=Training)
     """Sharding, micro-batches and gradient checkpointing of the actor and critic."""
+
+    @model_validator(mode="after")
+    def _resume_from_needs_auto(self) -> Trainer:
+        if self.resume_from is not None and self.resume != "auto":
+            raise ValueError(RESUME_FROM_NEEDS_AUTO)
+        return self
 
 
 class GraphNode(ApiModel):

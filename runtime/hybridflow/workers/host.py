@@ -255,7 +255,7 @@ class WorkerHost:
             return True
         path = Path(directory) / f"{name}.pt"
         if not path.is_file():
-            raise FileNotFoundError(f"checkpoint {directory} has no state for {name} (was the parallelism changed?)")
+            raise FileNotFoundError(f"checkpoint {directory} has no state for {name}: resume needs the same graph")
         self.import_state(checkpoint.load_state(path))
         for role, worker in trainable.items():
             worker.load_training(str(checkpoint.training_dir(directory, name, role)))
