@@ -698,6 +698,11 @@ REJECTED = [
         "trainer.evalBeforeTrain needs data.val, the prompts to evaluate on",
     ),
     (
+        "validation-data-without-val",
+        {"data": {"val": None}, "trainer": {"validationDataDir": "/mnt/samples/val"}},
+        "trainer.validationDataDir needs data.val, the prompts to evaluate on",
+    ),
+    (
         "critic-warmup-without-a-critic",
         {"algorithm": {"name": "grpo"}, "rollout": {"samplesPerPrompt": 4}, "trainer": {"criticWarmupSteps": 3}},
         "trainer.criticWarmupSteps trains the critic alone: it needs an algorithm with a critic",

@@ -18,6 +18,7 @@ from hybridflow.advantages import batch_stats, compute_advantages, policy_filter
 from hybridflow.api.spec import RLTrainingJobSpec
 from hybridflow.dynamic_sampling import PREFIX as SAMPLING_PREFIX
 from hybridflow.plan import Phase
+from hybridflow.samples import sample_rows
 from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch
 
 
@@ -63,7 +64,8 @@ class SyncResult:
 
 @dataclass
 class StepOutput:
-    """What a step reports, wherever its phases ran; only scalars, so it is cheap to send back."""
+    """What a step reports, wherever its phases ran: scalars, cheap to send back, and the responses themselves
+    only when spec.trainer.rolloutDataDir asks for them."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     """Wall time of each phase."""
@@ -77,6 +79,8 @@ class StepOutput:
     rollout_bytes: int = 0
     """Tensor bytes of the scored rollout batch: what the actor's process handed its co-located steps."""
     sync: SyncResult | None = None
+    samples: list[dict[str, Any]] | None = None
+    """samples.sample_rows of the rollout, for spec.trainer.rolloutDataDir."""
 
     def add(self, phase: Phase, seconds: float, compute: float) -> None:
         self.seconds[phase] = seconds
@@ -144,6 +148,8 @@ def run_step(runner: PhaseRunner, phases: Sequence[Phase], rows: list[dict[str, 
     t0 = time.perf_counter()
     out.advantages = compute_advantages(batch, spec, kl_coef)
     out.stats |= batch_stats(batch)
+    if spec.trainer.rollout_data_dir is not None:
+        out.samples = sample_rows(batch)
     if spec.algorithm.policy_filtration is not None:
         batch = policy_filtered(batch, spec)
         batch = batch.balanced(shards) if shards > 1 else batch

@@ -47,6 +47,7 @@ from hybridflow.plan import (
 )
 from hybridflow.ray_errors import innermost_message
 from hybridflow.reporting import ProgressReporter
+from hybridflow.samples import sample_rows, write_samples
 from hybridflow.scheduler import HybridScheduler
 from hybridflow.scheduler.group import HostGroup
 from hybridflow.scheduler.head import HeadWatch
@@ -466,6 +467,8 @@ class Trainer:
         if out.kl is not None:
             self.kl_ctl.update(out.kl, int(out.stats["size"]))
         record = step_record(step, out, elapsed, self.kl_ctl.value)
+        if out.samples is not None and self.spec.trainer.rollout_data_dir is not None:
+            write_samples(self.spec.trainer.rollout_data_dir, step, out.samples)
         assert out.sync is not None
         self._policy_syncs.record(out.sync.version, out.sync.bytes, out.sync.seconds, record["policy_lag"])
         return record
@@ -607,10 +610,14 @@ class Trainer:
                 channel.record_bytes(part.nbytes())
                 remote.append(self.groups[r.node.name].next("run", ref, "reward"))
         results: list[RolloutBatch] | list[PhaseResult] = parts if local else ray.get(remote)
-        scores = torch.cat([res.tensors["scores"] for res in results])
+        scored = [res.tensors for res in results]
+        if (into := self.spec.trainer.validation_data_dir) is not None:
+            write_samples(into, step, [row for part, tensors in zip(parts, scored, strict=True)
+                                       for row in sample_rows(part, tensors)])
+        scores = torch.cat([tensors["scores"] for tensors in scored])
         lengths = torch.cat([part.response_mask.sum(-1) for part in parts])
         metrics = val_metrics(scores.tolist(), lengths.tolist(), prompt_ids, self.spec.reward.type == "function")
-        metrics |= {PREFIX + k: v for k, v in extra_means([res.tensors for res in results]).items()}
+        metrics |= {PREFIX + k: v for k, v in extra_means(scored).items()}
         return metrics | {"timing/eval": time.perf_counter() - t0}
 
     def scores_phase(self, batch: RolloutBatch) -> float:

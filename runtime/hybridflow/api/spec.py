@@ -868,6 +868,11 @@ class Trainer(ApiModel):
     baseline in metrics.jsonl, the trackers and status.progress). A resumed run does not evaluate again."""
     eval: Evaluation = Field(default_factory=Evaluation)
     """Sampling of the evaluation (greedy by default)."""
+    rollout_data_dir: str | None = Field(None, min_length=1)
+    """Write each step's responses here as step_N.jsonl: prompt, response, answer, score, the reward function's other
+    numbers, length, advantage. On a volume every pod mounts, in a cluster; a step trained again replaces its file."""
+    validation_data_dir: str | None = Field(None, min_length=1)
+    """The same for each evaluation's responses (step_0.jsonl for evalBeforeTrain's); needs data.val."""
     export: Export = Field(default_factory=Export)
     """Write the final policy as a Hugging Face folder at the end of the run."""
     training: Training = Field(default_factory=Training)
@@ -1230,6 +1235,11 @@ class RLTrainingJobSpec(ApiModel):
                 ".trainer.evalBeforeTrain",
             ),
             _cel(
+                "!has(self.trainer) || !has(self.trainer.validationDataDir) || (has(self.data) && has(self.data.val))",
+                _eval_without_val("validationDataDir", "null"),
+                ".trainer.validationDataDir",
+            ),
+            _cel(
                 "!has(self.trainer) || !has(self.trainer.criticWarmupSteps) || self.trainer.criticWarmupSteps == 0"
                 " || !has(self.algorithm) || !has(self.algorithm.name)"
                 f" || self.algorithm.name in {list(CRITIC_ALGORITHMS)}",
@@ -1303,7 +1313,8 @@ class RLTrainingJobSpec(ApiModel):
                 f"algorithm.miniBatchSize ({mbs}) must be at most data.batchSize * rollout.samplesPerPrompt ({total})"
             )
         for field, asked, off in (("evalEvery", self.trainer.eval_every, "0"),
-                                  ("evalBeforeTrain", self.trainer.eval_before_train, "false")):
+                                  ("evalBeforeTrain", self.trainer.eval_before_train, "false"),
+                                  ("validationDataDir", self.trainer.validation_data_dir is not None, "null")):
             if asked and self.data.val is None:
                 raise ValueError(_eval_without_val(field, off))
         groups = self.cluster.worker_groups
