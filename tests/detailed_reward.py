@@ -19,3 +19,12 @@ def score(prompt: str, response: str, answer: str) -> dict[str, Any]:
 
 def without_score(prompt: str, response: str, answer: str) -> dict[str, float]:
     return {"acc": 1.0}
+
+
+def batch_scores(prompts: list[str], responses: list[str], answers: list[str]) -> list[dict[str, Any]]:
+    """`score` for a whole batch at once (spec.reward.batched), as a verifier answering many in one call would."""
+    return [score(p, r, a) for p, r, a in zip(prompts, responses, answers, strict=True)]
+
+
+def batch_missing_one(prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
+    return [0.0] * (len(responses) - 1)

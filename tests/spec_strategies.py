@@ -384,8 +384,11 @@ def policy_filtration(draw: st.DrawFn, spec: dict[str, Any]) -> None:
 
 
 def reward_model(draw: st.DrawFn, spec: dict[str, Any]) -> None:
+    """type model needs model.path; batched needs type function."""
     reward = _section(spec, "reward")
     reward["type"] = draw(st.sampled_from(["model", "function"]))
+    if draw(st.booleans()):
+        reward["batched"] = draw(st.booleans())
     if draw(st.booleans()):
         reward["model"] = draw(st.sampled_from([{"path": "/mnt/rm"}, {"path": "Org/rm"}, {}, None]))
     else:

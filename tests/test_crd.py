@@ -698,6 +698,11 @@ REJECTED = [
         "trainer.evalBeforeTrain needs data.val, the prompts to evaluate on",
     ),
     (
+        "batched-reward-model",
+        {"reward": {"type": "model", "model": {"path": "/mnt/rm"}, "batched": True}},
+        "reward.batched is how reward.function is called: it needs reward.type function",
+    ),
+    (
         "validation-data-without-val",
         {"data": {"val": None}, "trainer": {"validationDataDir": "/mnt/samples/val"}},
         "trainer.validationDataDir needs data.val, the prompts to evaluate on",

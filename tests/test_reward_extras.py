@@ -91,3 +91,38 @@ def test_a_mapping_without_a_score_stops_the_step_with_one_message(example_doc) 
     with pytest.raises(RewardFunctionError, match="'tests.detailed_reward:without_score' returned a mapping without "
                                                   r"'score' \(keys: acc\)"):
         worker.score(batch)
+
+
+def test_a_batched_function_scores_the_whole_batch_in_one_call_as_the_per_response_one(example_doc) -> None:
+    batch, worker = scored(example_doc, "tests.detailed_reward:score", n=16)
+    one_by_one = worker.score(batch.slice(0, len(batch))).tensors
+    batched = RewardWorker(parse_job(batched_doc(example_doc, "tests.detailed_reward:batch_scores")).spec,
+                           torch.device("cpu"))
+    calls = []
+    fn = batched.fn
+    assert fn is not None
+    batched.fn = lambda *lists: calls.append(len(lists[1])) or fn(*lists)
+    together = batched.score(batch.slice(0, len(batch))).tensors
+    assert calls == [len(batch)]
+    assert together.keys() == one_by_one.keys() and "reward_extra/bonus" in together
+    for key, value in one_by_one.items():
+        assert torch.allclose(together[key], value, equal_nan=True), key
+
+
+def batched_doc(example_doc, function: str) -> dict:
+    doc = example_doc("tiny-grpo.yaml")
+    doc["spec"]["reward"] |= {"function": function, "batched": True}
+    return doc
+
+
+@pytest.mark.parametrize(("function", "got"), [
+    ("tests.detailed_reward:batch_missing_one", "15 values"),
+    ("tests.detailed_reward:without_score", "a dict"),  # one mapping for the whole batch
+])
+def test_a_batched_function_must_return_one_value_per_response(example_doc, function: str, got: str) -> None:
+    batch, _ = scored(example_doc, "tests.detailed_reward:score", n=16)
+    worker = RewardWorker(parse_job(batched_doc(example_doc, function)).spec, torch.device("cpu"))
+    with pytest.raises(RewardFunctionError) as e:
+        worker.score(batch)
+    assert str(e.value) == (f"spec.reward.function {function!r} (reward.batched) returned {got} for 16 responses: it "
+                            "must return a list with a number or a mapping for each")

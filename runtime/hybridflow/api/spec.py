@@ -577,6 +577,9 @@ class OverlongBuffer(ApiModel):
 OVERLONG_BUFFER_TOO_LONG = "reward.overlongBuffer.length must be at most data.maxResponseLength"
 
 
+BATCHED_NEEDS_FUNCTION = "reward.batched is how reward.function is called: it needs reward.type function"
+
+
 class Reward(ApiModel):
     model_config = ApiModel.model_config | ConfigDict(
         json_schema_extra=_rules(
@@ -584,7 +587,9 @@ class Reward(ApiModel):
                 "!has(self.type) || self.type != 'model' || has(self.model)",
                 "reward.model.path is required when reward.type is 'model'",
                 ".model",
-            )
+            ),
+            _cel("!has(self.batched) || !self.batched || !has(self.type) || self.type == 'function'",
+                 BATCHED_NEEDS_FUNCTION, ".batched"),
         )
     )
 
@@ -593,6 +598,10 @@ class Reward(ApiModel):
     function: str = Field("builtin:tiny_task",
                           pattern=r"^(builtin:[a-z0-9_]+|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$")
     """`builtin:tiny_task`, `builtin:gsm8k`, or `module:function` importable on the workers (ASCII names)."""
+    batched: bool = False
+    """The function takes a batch instead of one response: lists of prompts, responses and answers, returning a
+    list with a number or a mapping for each response (verl's batch reward manager): one call for a verifier or
+    judge that answers many at once. type function only."""
     model: RewardModelRef | None = None
     overlong_buffer: OverlongBuffer | None = None
     """A penalty on responses near data.maxResponseLength (DAPO); null: none. The step record logs it as
@@ -602,6 +611,8 @@ class Reward(ApiModel):
     def _model_needs_path(self) -> Reward:
         if self.type == "model" and self.model is None:
             raise ValueError("reward.model.path is required when reward.type is 'model'")
+        if self.batched and self.type != "function":
+            raise ValueError(BATCHED_NEEDS_FUNCTION)
         return self
 
 

@@ -17,8 +17,9 @@ from hybridflow.data.tiny import tiny_task_reward
 from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch, first_of_each_group
 from hybridflow.workers.modeling import DTYPES, check_model_dir, in_micro_batches
 
-RewardFn = Callable[[str, str, str], Any]
-"""(prompt, response, answer) -> a number, or a mapping with a number under "score" and any others to log."""
+RewardFn = Callable[..., Any]
+"""(prompt, response, answer) -> a number, or a mapping with a number under "score" and any others to log; with
+spec.reward.batched (prompts, responses, answers) -> a list of those, one per response."""
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
@@ -85,6 +86,21 @@ def score_value(value: Any, function: str) -> tuple[float, dict[str, float]]:
                               "mapping with a number under 'score' (and any other numbers to log)")
 
 
+def batched_values(values: Any, rows: int, function: str) -> list[Any]:
+    """A batched reward function's return: a list (or tuple, array, tensor) of one value per response, which
+    score_value reads each of."""
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    if not isinstance(values, list | tuple):
+        got = _kind(values)
+    elif len(values) != rows:
+        got = f"{len(values)} values"
+    else:
+        return list(values)
+    raise RewardFunctionError(f"spec.reward.function {function!r} (reward.batched) returned {got} for {rows} "
+                              "responses: it must return a list with a number or a mapping for each")
+
+
 def _is_number(v: Any) -> bool:
     """A real number (numpy's too), bools included (1 and 0), NaN not: a NaN score would poison the advantages."""
     return isinstance(v, numbers.Real) and not math.isnan(float(v))
@@ -109,6 +125,7 @@ class RewardWorker:
     def __init__(self, spec: RLTrainingJobSpec, device: torch.device) -> None:
         self.device = device
         self.function = spec.reward.function
+        self.batched = spec.reward.batched
         self.overlong = spec.reward.overlong_buffer
         self.max_response_length = spec.data.max_response_length
         self.limits = spec.trainer.training
@@ -161,8 +178,12 @@ class RewardWorker:
     def _raw_scores(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.fn is None:
             return in_micro_batches(batch, self.limits, self._model_scores), {}
-        rows = [score_value(self.fn(p, r, a), self.function)
-                for p, r, a in zip(batch.prompts, batch.responses, batch.answers, strict=True)]
+        if self.batched:
+            values = batched_values(self.fn(list(batch.prompts), list(batch.responses), list(batch.answers)),
+                                    len(batch), self.function)
+        else:
+            values = [self.fn(p, r, a) for p, r, a in zip(batch.prompts, batch.responses, batch.answers, strict=True)]
+        rows = [score_value(v, self.function) for v in values]
         keys = dict.fromkeys(k for _, extra in rows for k in extra)
         return torch.tensor([score for score, _ in rows]), {
             k: torch.tensor([extra.get(k, math.nan) for _, extra in rows]) for k in keys}
