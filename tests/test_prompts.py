@@ -217,3 +217,39 @@ def test_truncation_keeps_the_end_the_start_or_both_of_a_long_prompt(example_doc
     kept = {"left": [1, *digits[-7:]], "right": [1, *digits[:7]],  # the tokenizer keeps its BOS
             "middle": [1, *digits[:3], *digits[-4:]]}[side]  # the first 8 // 2 ids, BOS among them, and the last 4
     assert batch.input_ids[0, :batch.prompt_length].tolist() == kept
+
+
+VERL_ROWS = [  # the shape of verl's prepared datasets: the ground truth inside reward_model
+    {"data_source": "tiny", "prompt": [{"role": "user", "content": "1 2 3"}],
+     "reward_model": {"style": "rule", "ground_truth": "3"}, "extra_info": {"index": 0}},
+    {"data_source": "tiny", "prompt": [{"role": "user", "content": "4 0"}],
+     "reward_model": {"style": "rule", "ground_truth": 0}, "extra_info": {"index": 1}},
+    {"data_source": "tiny", "prompt": [{"role": "user", "content": "5"}], "reward_model": {"style": "rule"},
+     "extra_info": {"index": 2}},
+]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_dotted_answer_key_reads_verls_nested_ground_truth(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"train{suffix}"
+    if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist([{**r, "reward_model": {"style": "rule", "ground_truth": None}
+                                              | {k: str(v) for k, v in r["reward_model"].items()}}
+                                             for r in VERL_ROWS]), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in VERL_ROWS))
+    rows = load_rows(str(path), "prompt", "reward_model.ground_truth")
+    assert [r["answer"] for r in rows] == ["3", "0", ""]  # a 0 is an answer; a row without one passes ""
+    assert [r["prompt"] for r in rows] == ["1 2 3", "4 0", "5"]
+
+
+def test_an_answer_key_no_row_holds_names_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in VERL_ROWS))
+    with pytest.raises(DataError, match=r"^spec\.data\.answerKey: no row of .* has 'reward_model\.truth' \(columns: "
+                                        r"\['data_source', 'extra_info', 'prompt', 'reward_model'\]"):
+        load_rows(str(path), "prompt", "reward_model.truth")
+    assert {r["answer"] for r in load_rows(str(path), "prompt", "answer")} == {""}  # the default may be absent

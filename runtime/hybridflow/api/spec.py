@@ -617,6 +617,7 @@ class Reward(ApiModel):
 
 
 PromptFormat = Literal["auto", "chat", "raw"]
+DEFAULT_ANSWER_KEY = "answer"
 
 
 class Data(ApiModel):
@@ -631,8 +632,10 @@ class Data(ApiModel):
     the policy tokenizer's chat template (with the generation prompt), a string is used as it is; `chat`: a
     string too, as one user message; `raw`: never the template, the messages' contents joined by newlines."""
     prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    """Column passed to the reward function as the ground truth."""
+    answer_key: str = DEFAULT_ANSWER_KEY
+    """Column passed to the reward function as the ground truth; a dotted path reads inside a nested column, as
+    verl's data keeps it (`reward_model.ground_truth`). A row without it passes an empty answer; another key than
+    the default that no row holds stops the job."""
     batch_size: int = Field(16, ge=1, le=65536)
     """Prompts per training step."""
     max_prompt_length: int = Field(32, ge=1, le=131072)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridflow.api.spec import Data, PromptFormat, RLTrainingJobSpec
+from hybridflow.api.spec import DEFAULT_ANSWER_KEY, Data, PromptFormat, RLTrainingJobSpec
 from hybridflow.data import DataError
 from hybridflow.data.chat import ChatTemplate, PromptRenderer, policy_tokenizer, prompt_token_ids
 from hybridflow.data.tiny import TINY_TASK, tiny_task_rows
@@ -43,8 +43,26 @@ def load_rows(source: str, prompt_key: str, answer_key: str, seed: int = 0, spli
         records = _read_records(source, where)
         if prompt_key not in records[0]:
             raise DataError(f"spec.data.promptKey: column {prompt_key!r} not in {source} (has {sorted(records[0])})")
+    answers = [column(r, answer_key) for r in records]
+    if answer_key != DEFAULT_ANSWER_KEY and all(a is None for a in answers):
+        raise DataError(f"spec.data.answerKey: no row of {source} has {answer_key!r} (columns: {sorted(records[0])}; "
+                        "a dotted path reads inside a nested column)")
     render = PromptRenderer(prompt_format, template)
-    return [{**render(r[prompt_key]), "answer": str(r.get(answer_key, "") or "")} for r in records]
+    return [{**render(r[prompt_key]), "answer": "" if a is None else str(a)}
+            for r, a in zip(records, answers, strict=True)]
+
+
+def column(record: Mapping[str, Any], key: str) -> Any:
+    """record[key]; for a dotted key that is no column, the value at that path inside nested columns (verl's
+    `reward_model.ground_truth`); None where there is none."""
+    if key in record:
+        return record[key]
+    value: Any = record
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
 
 
 def load_prompts(spec: RLTrainingJobSpec, split: Split) -> list[dict[str, str]]:
