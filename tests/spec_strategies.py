@@ -408,13 +408,14 @@ def rollout_engine(draw: st.DrawFn, spec: dict[str, Any]) -> None:
 
 
 def evaluation(draw: st.DrawFn, spec: dict[str, Any]) -> None:
-    """evalEvery, evalBeforeTrain and validationDataDir need data.val; a greedy evaluation takes no temperature and
-    one sample."""
+    """evalEvery, evalBeforeTrain, validationDataDir and loggers.valGenerations need data.val; a greedy evaluation
+    takes no temperature and one sample."""
     data, trainer = _section(spec, "data"), _section(spec, "trainer")
     data["val"] = draw(st.sampled_from([None, "builtin:tiny_task", "/data/val.jsonl", "hf://datasets/o/n"]))
     trainer["evalEvery"] = draw(st.sampled_from([0, 1, 5]))
     trainer["evalBeforeTrain"] = draw(st.booleans())
     trainer["validationDataDir"] = draw(st.sampled_from([None, "/mnt/samples/val", ""]))
+    trainer["loggers"] = {"valGenerations": draw(st.sampled_from([0, 4]))}
     trainer["eval"] = draw(st.fixed_dictionaries({}, optional={
         "greedy": st.booleans(), "temperature": st.sampled_from([None, 0.5, 1.0]),
         "samplesPerPrompt": st.sampled_from([1, 2, 4])}))

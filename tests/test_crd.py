@@ -708,6 +708,11 @@ REJECTED = [
         "trainer.validationDataDir needs data.val, the prompts to evaluate on",
     ),
     (
+        "val-generations-without-val",
+        {"data": {"val": None}, "trainer": {"loggers": {"valGenerations": 4}}},
+        "trainer.loggers.valGenerations needs data.val, the prompts to evaluate on",
+    ),
+    (
         "critic-warmup-without-a-critic",
         {"algorithm": {"name": "grpo"}, "rollout": {"samplesPerPrompt": 4}, "trainer": {"criticWarmupSteps": 3}},
         "trainer.criticWarmupSteps trains the critic alone: it needs an algorithm with a critic",

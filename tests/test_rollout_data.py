@@ -14,6 +14,7 @@ from hybridflow.api import parse_job
 from hybridflow.api.load import SpecError
 from hybridflow.driver import init_ray, run_training
 from hybridflow.samples import sample_rows, samples_path, write_samples
+from hybridflow.trackers import GENERATIONS, SAMPLE_COLUMNS, markdown_table
 from tests.test_reward_extras import scored
 
 
@@ -80,7 +81,9 @@ def test_a_run_writes_every_step_and_evaluation(local_ray, example_doc, tmp_path
     doc["spec"]["trainer"] |= {"totalSteps": 2, "evalEvery": 1, "evalBeforeTrain": True,
                                "checkpoint": {"every": 0, "path": str(tmp_path / "ckpt")},
                                "rolloutDataDir": str(tmp_path / "rollouts"),
-                               "validationDataDir": str(tmp_path / "val")}
+                               "validationDataDir": str(tmp_path / "val"),
+                               "loggers": {"backends": ["jsonl", "tensorboard"], "dir": str(tmp_path / "trk"),
+                                           "experiment": "e", "valGenerations": 3}}
     job = parse_job(doc)
     result = run_training(job, str(tmp_path / "m.jsonl"))
     records = {r["step"]: r for r in result["records"]}
@@ -98,3 +101,18 @@ def test_a_run_writes_every_step_and_evaluation(local_ray, example_doc, tmp_path
         assert len(rows) == records[step]["val/samples"]
         assert sum(r["score"] for r in rows) / len(rows) == pytest.approx(records[step]["val/reward_mean"], rel=1e-5)
         assert "advantage" not in rows[0] and rows[0]["policy_version"] == step
+    tables = tensorboard_texts(tmp_path / "trk" / "tb" / "hybridflow" / "e")  # the first 3 of each evaluation
+    assert sorted(tables) == [0, 1, 2]
+    for step, table in tables.items():
+        first = read_lines(samples_path(tmp_path / "val", step))[:3]
+        assert table[2:] == [markdown_table(SAMPLE_COLUMNS, [[r[c] for c in SAMPLE_COLUMNS]]).splitlines()[-1]
+                             for r in first]
+
+
+def tensorboard_texts(log_dir: Path) -> dict[int, list[str]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return {e.step: e.tensor_proto.string_val[0].decode().splitlines()
+            for e in acc.Tensors(f"{GENERATIONS}/text_summary")}

@@ -95,12 +95,13 @@ def test_names_keep_a_namespace_and_put_unknown_keys_under_train() -> None:
 
 def test_loggers_default_to_the_progress_bar_and_metrics_file(example_doc) -> None:
     loggers = parse_job(example_doc("tiny-ppo.yaml")).spec.trainer.loggers
-    assert (loggers.backends, loggers.project, loggers.experiment, loggers.dir) == (
-        ["console", "jsonl"], "hybridflow", None, None)
+    assert (loggers.backends, loggers.project, loggers.experiment, loggers.dir, loggers.val_generations) == (
+        ["console", "jsonl"], "hybridflow", None, None, 0)
     job = parse_job({"metadata": {"name": "named"}, "spec": {"trainer": {"loggers": {
         "backends": ["jsonl", "tensorboard", "mlflow", "wandb"], "project": "p", "experiment": "e", "dir": "/d"}}}})
     assert job.spec.trainer.to_yaml_dict()["loggers"] == {
-        "backends": ["jsonl", "tensorboard", "mlflow", "wandb"], "project": "p", "experiment": "e", "dir": "/d"}
+        "backends": ["jsonl", "tensorboard", "mlflow", "wandb"], "project": "p", "experiment": "e", "dir": "/d",
+        "valGenerations": 0}
     assert trackers.experiment_name(parse_job({"metadata": {"name": "named"}})) == "named"
 
 
@@ -325,6 +326,65 @@ def test_wandb_without_an_api_key_runs_offline_and_holds_every_step(example_doc,
                for r in records if r.WhichOneof("record_type") == "history"}
     held = {name: {step: row[name] for step, row in history.items()} for name in EXPECTED}
     assert_logged(held, RECORDS)
+
+
+SAMPLES = [{"prompt": "1 2 | 3", "response": "3\nmore", "answer": "3", "score": 1.0, "group": 0},
+           {"prompt": "4 5", "response": "", "answer": "5", "score": 0.0, "group": 1}]
+"""Two of an evaluation's samples (samples.sample_rows): a pipe and a newline to escape, an empty response."""
+TABLE = [["1 2 | 3", "3\nmore", "3", 1.0], ["4 5", "", "5", 0.0]]
+
+
+def log_samples(job, step: int = 2) -> None:
+    opened = open_trackers(job, TRACKERS)
+    opened.log_samples(step, SAMPLES)
+    assert not opened.failed
+    opened.close()
+
+
+def test_an_evaluations_responses_reach_tensorboard_as_a_markdown_table(example_doc, tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_samples(job_with(example_doc, tmp_path, backends=["tensorboard"], project="proj", experiment="exp"))
+    acc = EventAccumulator(str(tmp_path / "trackers" / "tb" / "proj" / "exp"), size_guidance={"tensors": 0})
+    acc.Reload()
+    (event,) = acc.Tensors("val/generations/text_summary")
+    assert event.step == 2
+    assert event.tensor_proto.string_val[0].decode().splitlines() == [
+        "| prompt | response | answer | score |", "|---|---|---|---|",
+        "| 1 2 \\| 3 | 3<br>more | 3 | 1.0 |", "| 4 5 |  | 5 | 0.0 |"]
+
+
+def test_an_evaluations_responses_reach_mlflow_as_a_table_artifact(example_doc, tmp_path, mlflow_env) -> None:
+    from mlflow.tracking import MlflowClient
+
+    log_samples(job_with(example_doc, tmp_path, backends=["mlflow"], project="proj", experiment="exp"))
+    client = MlflowClient(tracking_uri=(tmp_path / "trackers" / "mlruns").resolve().as_uri())
+    found = client.get_experiment_by_name("proj")
+    assert found is not None
+    (run,) = client.search_runs([found.experiment_id])
+    local = client.download_artifacts(run.info.run_id, "val/generations/step_00000002.json", str(tmp_path))
+    assert json.loads(Path(local).read_text()) == {"columns": ["prompt", "response", "answer", "score"],
+                                                   "data": TABLE}
+
+
+def test_an_evaluations_responses_reach_wandb_as_a_table(example_doc, tmp_path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    log_samples(job_with(example_doc, tmp_path, backends=["wandb"]))
+    (run_file,) = (tmp_path / "trackers" / "wandb").glob("offline-run-*/run-*.wandb")
+    items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+             for r in finished_wandb_records(run_file) if r.WhichOneof("record_type") == "history"
+             for i in r.history.item}
+    assert (items["val/generations/_type"], items["val/generations/nrows"]) == ("table-file", 2)
+    (table,) = (tmp_path / "trackers" / "wandb").glob("offline-run-*/files/media/table/val/generations_*.table.json")
+    assert json.loads(table.read_text()) == {"columns": ["prompt", "response", "answer", "score"], "data": TABLE}
+
+
+def test_val_generations_need_val_prompts(example_doc) -> None:
+    doc = example_doc("tiny-ppo.yaml")
+    doc["spec"]["trainer"]["loggers"] = {"valGenerations": 4}
+    with pytest.raises(SpecError, match=r"trainer\.loggers\.valGenerations needs data\.val"):
+        parse_job(doc)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from hybridflow.workers.batch import EXTRA_PREFIX, RolloutBatch
 
 
 def sample_rows(batch: RolloutBatch, scored: Mapping[str, torch.Tensor] | None = None) -> list[dict[str, Any]]:
-    """One record per response: prompt (as the policy read it), response, answer, score, the reward function's
+    """One record per response: prompt (after the chat template), response, answer, score, the reward function's
     other numbers (`reward_extra`, those it returned for the row), response_length, the prompt's `group`, the
     `policy_version` that answered and, once computed, `advantage`, the mean of its tokens' advantages.
     `scored`: the tensors that hold the scores when they are not the batch's own (a remote reward's)."""

@@ -13,7 +13,7 @@ import logging
 import netrc
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -85,10 +85,25 @@ def namespaced(record: Mapping[str, Any]) -> dict[str, float]:
 
 
 class Tracker(Protocol):
-    """One destination of the per-step metrics."""
+    """One destination of the per-step metrics, and of spec.trainer.loggers.valGenerations' tables."""
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+    def log_samples(self, step: int, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None: ...
     def close(self) -> None: ...
+
+
+GENERATIONS = "val/generations"
+"""The tracker name of the table of an evaluation's first responses."""
+SAMPLE_COLUMNS = ("prompt", "response", "answer", "score")
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A Markdown table (tensorboard renders its text as Markdown); pipes and newlines in a cell are escaped."""
+    def cell(v: Any) -> str:
+        return str(v).replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
 
 
 class TrackerUnavailable(RuntimeError):
@@ -144,6 +159,9 @@ class ConsoleTracker:
         if post:
             self.bar.set_postfix(post, refresh=False)
 
+    def log_samples(self, step: int, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """Not on the progress bar: validationDataDir writes them where a terminal can read them."""
+
     def close(self) -> None:
         self.bar.close()
 
@@ -160,6 +178,10 @@ class TensorBoardTracker:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def log_samples(self, step: int, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        self.writer.add_text(GENERATIONS, markdown_table(columns, rows), step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -194,6 +216,11 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in metrics.items()])
 
+    def log_samples(self, step: int, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """An artifact per evaluation, in the shape mlflow's log_table writes (columns, data)."""
+        self.client.log_dict(self.run_id, {"columns": list(columns), "data": [list(r) for r in rows]},
+                             f"{GENERATIONS}/step_{step:08d}.json")
+
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
 
@@ -214,6 +241,11 @@ class WandbTracker:
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.run.log(dict(metrics), step=step)
+
+    def log_samples(self, step: int, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        import wandb
+
+        self.run.log({GENERATIONS: wandb.Table(columns=list(columns), data=[list(r) for r in rows])}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -251,6 +283,12 @@ class TrackerSet:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for name, tracker in self.trackers.items():
             self._guard(name, "log", lambda t=tracker: t.log(step, metrics))
+
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        """The SAMPLE_COLUMNS of `samples` (samples.sample_rows) as a table, to every tracker."""
+        rows = [[s[c] for c in SAMPLE_COLUMNS] for s in samples]
+        for name, tracker in self.trackers.items():
+            self._guard(name, "log samples", lambda t=tracker: t.log_samples(step, SAMPLE_COLUMNS, rows))
 
     def close(self) -> None:
         for name, tracker in self.trackers.items():

@@ -611,9 +611,13 @@ class Trainer:
                 remote.append(self.groups[r.node.name].next("run", ref, "reward"))
         results: list[RolloutBatch] | list[PhaseResult] = parts if local else ray.get(remote)
         scored = [res.tensors for res in results]
-        if (into := self.spec.trainer.validation_data_dir) is not None:
-            write_samples(into, step, [row for part, tensors in zip(parts, scored, strict=True)
-                                       for row in sample_rows(part, tensors)])
+        into, shown = self.spec.trainer.validation_data_dir, self.spec.trainer.loggers.val_generations
+        if into is not None or shown:
+            samples = [row for part, tensors in zip(parts, scored, strict=True) for row in sample_rows(part, tensors)]
+            if into is not None:
+                write_samples(into, step, samples)
+            if shown:
+                self.trackers.log_samples(step, samples[:shown])
         scores = torch.cat([tensors["scores"] for tensors in scored])
         lengths = torch.cat([part.response_mask.sum(-1) for part in parts])
         metrics = val_metrics(scores.tolist(), lengths.tolist(), prompt_ids, self.spec.reward.type == "function")

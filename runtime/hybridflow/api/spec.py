@@ -725,6 +725,10 @@ class Loggers(ApiModel):
     """This run's name in the tracker; defaults to the job's name."""
     dir: str | None = Field(None, min_length=1)
     """Where tensorboard, mlflow and wandb write their files; defaults to the metrics file's directory."""
+    val_generations: int = Field(0, ge=0, le=1000)
+    """Log the first N responses of each evaluation (prompt, response, answer, score) to the trackers as a table,
+    `val/generations`: a wandb Table, tensorboard text, an mlflow artifact. The same N val prompts each time, so
+    the tables show their answers change over the run. Needs data.val; 0: none."""
 
     @field_validator("backends")
     @classmethod
@@ -1254,6 +1258,12 @@ class RLTrainingJobSpec(ApiModel):
                 ".trainer.validationDataDir",
             ),
             _cel(
+                "!has(self.trainer) || !has(self.trainer.loggers) || !has(self.trainer.loggers.valGenerations)"
+                " || self.trainer.loggers.valGenerations == 0 || (has(self.data) && has(self.data.val))",
+                _eval_without_val("loggers.valGenerations", "0"),
+                ".trainer.loggers.valGenerations",
+            ),
+            _cel(
                 "!has(self.trainer) || !has(self.trainer.criticWarmupSteps) || self.trainer.criticWarmupSteps == 0"
                 " || !has(self.algorithm) || !has(self.algorithm.name)"
                 f" || self.algorithm.name in {list(CRITIC_ALGORITHMS)}",
@@ -1328,7 +1338,8 @@ class RLTrainingJobSpec(ApiModel):
             )
         for field, asked, off in (("evalEvery", self.trainer.eval_every, "0"),
                                   ("evalBeforeTrain", self.trainer.eval_before_train, "false"),
-                                  ("validationDataDir", self.trainer.validation_data_dir is not None, "null")):
+                                  ("validationDataDir", self.trainer.validation_data_dir is not None, "null"),
+                                  ("loggers.valGenerations", self.trainer.loggers.val_generations, "0")):
             if asked and self.data.val is None:
                 raise ValueError(_eval_without_val(field, off))
         groups = self.cluster.worker_groups
